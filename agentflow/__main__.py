@@ -1,0 +1,3 @@
+from agentflow.cli import main
+
+main()

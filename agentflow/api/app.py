@@ -1,0 +1,41 @@
+"""The FastAPI app factory: settings, database, routes, one error handler."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+
+import agentflow
+from agentflow.api.deps import require_api_key
+from agentflow.api.errors import install_error_handlers
+from agentflow.api.limits import BodySizeLimit
+from agentflow.api.routes import envs, episodes, health, runs, trajectories
+from agentflow.config import Settings, get_settings
+from agentflow.db.migrate import ensure_schema_current
+from agentflow.db.session import create_engine, session_factory
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_engine(settings.database_url, echo=settings.db_echo)
+        try:
+            await ensure_schema_current(engine)  # refuse to serve a schema that is behind
+            app.state.sessionmaker = session_factory(engine)
+            yield
+        finally:
+            await engine.dispose()
+
+    app = FastAPI(title="AgentFlow", version=agentflow.__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    protected = [Depends(require_api_key)]
+    for module in (envs, runs, episodes, trajectories):
+        app.include_router(module.router, dependencies=protected)
+    return app

@@ -1,0 +1,1 @@
+"""Request and response models of the REST API, one module per resource."""

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+RunStatus = Literal["pending", "running", "paused", "stopped", "finished", "failed"]
+# Runs in these states hold their environments: those cannot be deleted.
+ACTIVE_RUN_STATUSES: tuple[str, ...] = ("running", "paused")
+
+
+class RunPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    name: str
+    status: str
+    weight_version: int
+    config: dict[str, Any]
+    error: str | None
+    created_at: datetime
+    updated_at: datetime

@@ -1,0 +1,203 @@
+"""The `agentflow` command. Thin: parse arguments, then call the API client or a module.
+
+Nothing here imports torch; the subcommands that need it import it when they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from pydantic import BaseModel
+
+from agentflow.errors import AgentFlowError
+
+app = typer.Typer(help="AgentFlow: train LLM agents with asynchronous RL.", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema migrations.", no_args_is_help=True)
+envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
+runs_app = typer.Typer(help="Runs.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(envs_app, name="envs")
+app.add_typer(runs_app, name="runs")
+
+UrlOpt = Annotated[str, typer.Option(envvar="AGENTFLOW_URL", help="gateway base URL")]
+KeyOpt = Annotated[
+    str | None, typer.Option(envvar="AGENTFLOW_API_KEY", help="API key", show_default=False)
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _print(value: Any) -> None:
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _client(url: str, api_key: str | None) -> Any:
+    from agentflow.client import Client
+
+    return Client(url, api_key=api_key)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code=1)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+) -> None:
+    """Run the gateway (REST API) against AGENTFLOW_DATABASE_URL."""
+    import uvicorn
+
+    from agentflow.api.app import create_app
+    from agentflow.config import get_settings
+    from agentflow.db.migrate import ensure_schema_current
+    from agentflow.db.session import create_engine
+
+    settings = get_settings()
+
+    async def check() -> None:
+        engine = create_engine(settings.database_url)
+        try:
+            await ensure_schema_current(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(check())
+    except (AgentFlowError, OSError) as exc:
+        raise _fail(exc) from None
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    from agentflow.config import get_settings
+    from agentflow.db import migrate
+
+    migrate.upgrade(get_settings().database_url, revision)
+    typer.echo(f"database at {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
+    """Revert migrations down to REVISION (`base` empties the schema)."""
+    from agentflow.config import get_settings
+    from agentflow.db import migrate
+
+    migrate.downgrade(get_settings().database_url, revision)
+    typer.echo(f"database at {revision}")
+
+
+@envs_app.command("register")
+def envs_register(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSON or YAML")],
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+) -> None:
+    """Register the environment described in FILE."""
+    body = yaml.safe_load(file.read_text())  # YAML is a superset of JSON
+    try:
+        with _client(url, api_key) as client:
+            _print(client.create_env(body))
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+
+
+@envs_app.command("list")
+def envs_list(
+    name: Annotated[str | None, typer.Option()] = None,
+    kind: Annotated[str | None, typer.Option()] = None,
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List registered environments."""
+    try:
+        with _client(url, api_key) as client:
+            page = client.list_envs(name=name, kind=kind, limit=500)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        _print(page)
+        return
+    for env in page.items:
+        typer.echo(f"{env.id}  {env.name}@{env.version}  {env.kind}  {env.description[:50]}")
+    typer.echo(f"{page.total} environment(s)")
+
+
+@envs_app.command("show")
+def envs_show(env_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) -> None:
+    """Show one environment."""
+    try:
+        with _client(url, api_key) as client:
+            _print(client.get_env(env_id))
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+
+
+@envs_app.command("delete")
+def envs_delete(env_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) -> None:
+    """Delete an environment (refused while an active run uses it)."""
+    try:
+        with _client(url, api_key) as client:
+            client.delete_env(env_id)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"deleted {env_id}")
+
+
+@envs_app.command("serve")
+def envs_serve(
+    target: Annotated[str, typer.Argument(help="`module:Class` or a registered env id")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+) -> None:
+    """Serve one env over HTTP and WebSocket with stateful sessions."""
+    from envs.server import serve as serve_env
+
+    serve_env(target, host=host, port=port)
+
+
+@runs_app.command("list")
+def runs_list(
+    status: Annotated[str | None, typer.Option()] = None,
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List runs, newest first."""
+    try:
+        with _client(url, api_key) as client:
+            page = client.list_runs(status=status, limit=500)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        _print(page)
+        return
+    for run in page.items:
+        typer.echo(f"{run.id}  {run.name}  {run.status}  v{run.weight_version}")
+    typer.echo(f"{page.total} run(s)")
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) -> None:
+    """Show one run with its config."""
+    try:
+        with _client(url, api_key) as client:
+            _print(client.get_run(run_id))
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,65 @@
+"""The one `Settings` object, read from the environment (prefix `AGENTFLOW_`)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./agentflow.db"
+
+
+class Settings(BaseSettings):
+    """Process-wide settings. Every field maps to `AGENTFLOW_<NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="AGENTFLOW_", extra="ignore")
+
+    environment: str = Field(
+        default="development",
+        description="`development` or `production`; production refuses unsafe defaults",
+    )
+    database_url: str = Field(
+        default=DEFAULT_DATABASE_URL,
+        description="SQLAlchemy async URL: sqlite+aiosqlite:///file.db or postgresql+asyncpg://...",
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="when set, every route but /healthz and the docs needs `Bearer <key>`",
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="requests with larger bodies get 422"
+    )
+    db_echo: bool = Field(default=False, description="log every SQL statement")
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, value: str) -> str:
+        # Normalise the plain schemes users type to the async drivers the gateway needs.
+        if value.startswith("postgresql://") or value.startswith("postgres://"):
+            value = "postgresql+asyncpg://" + value.split("://", 1)[1]
+        elif value.startswith("sqlite:///"):
+            value = "sqlite+aiosqlite:///" + value[len("sqlite:///") :]
+        if not (
+            value.startswith("postgresql+asyncpg://") or value.startswith("sqlite+aiosqlite://")
+        ):
+            raise ValueError("must be a postgresql+asyncpg:// or sqlite+aiosqlite:// URL")
+        return value
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, value: str) -> str:
+        if value not in ("development", "production"):
+            raise ValueError("must be 'development' or 'production'")
+        return value
+
+    @model_validator(mode="after")
+    def _safe_in_production(self) -> Settings:
+        if self.environment == "production" and not self.api_key:
+            raise ValueError("AGENTFLOW_API_KEY must be set when AGENTFLOW_ENVIRONMENT=production")
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

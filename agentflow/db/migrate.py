@@ -1,0 +1,53 @@
+"""Run Alembic migrations from code, and refuse to serve a database whose schema is behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from agentflow.errors import SchemaOutOfDate
+from alembic import command
+
+# The migrations live beside the package in the source tree (`alembic/` at the top level).
+ALEMBIC_DIR = Path(__file__).resolve().parents[2] / "alembic"
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(ALEMBIC_DIR))
+    cfg.set_main_option("sqlalchemy.url", url)
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the database at `url` to `revision` (blocking; runs its own event loop)."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory(str(ALEMBIC_DIR)).get_current_head()
+
+
+async def current_revision(engine: AsyncEngine) -> str | None:
+    async with engine.connect() as conn:
+        return await conn.run_sync(
+            lambda sync_conn: MigrationContext.configure(sync_conn).get_current_revision()
+        )
+
+
+async def ensure_schema_current(engine: AsyncEngine) -> None:
+    """Raise `SchemaOutOfDate`, naming the command to run, unless the schema is at head."""
+    current, head = await current_revision(engine), head_revision()
+    if current != head:
+        raise SchemaOutOfDate(
+            f"database schema is at revision {current or 'empty'}, code needs {head}: "
+            "run `agentflow db upgrade`"
+        )

@@ -1,0 +1,141 @@
+"""The `Engine` protocol: how the rollout side talks to any inference backend.
+
+It mirrors SGLang's semantics (sessions as trees of requests keyed by rid, pause modes,
+weight versions as spans) so that `LocalEngine` and `SGLangEngine` behave alike and the
+rest of the system never asks which one it holds. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(BaseModel):
+    """How to sample. Log-probs are always of `log_softmax(logits / temperature)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=128, ge=1)
+    stop_token_ids: tuple[int, ...] = Field(default=(), description="end generation on these")
+    seed: int | None = Field(default=None, description="per-request sampling seed")
+
+
+class SessionRef(BaseModel):
+    """Continue a session: the context is `parent_rid`'s prompt + output (cut to `offset`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_id: str
+    parent_rid: str | None = Field(default=None, description="None: start with no history")
+    offset: int | None = Field(default=None, ge=0, description="keep only context[:offset]")
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_ids: tuple[int, ...] = Field(description="new tokens (after the session's context)")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    rid: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    session: SessionRef | None = None
+    routing_key: str | None = Field(default=None, description="sticky routing behind a router")
+
+
+class VersionSpan(BaseModel):
+    """Output tokens `[start, end)` were produced by weight `version`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
+class GenerateResult(BaseModel):
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_versions: list[VersionSpan]
+    prompt_tokens: int = Field(description="full context length the engine saw")
+    cached_tokens: int = Field(default=0, description="context tokens served from KV cache")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerateResult:
+        if len(self.logprobs) != len(self.output_ids):
+            raise ValueError("logprobs and output_ids differ in length")
+        covered = sum(s.end - s.start for s in self.weight_versions)
+        if covered != len(self.output_ids):
+            raise ValueError("weight_versions spans do not cover output_ids exactly")
+        return self
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output token, in order."""
+        out: list[int] = []
+        for span in sorted(self.weight_versions, key=lambda s: s.start):
+            out.extend([span.version] * (span.end - span.start))
+        return out
+
+
+class PauseMode(StrEnum):
+    ABORT = "abort"  # running requests end now with partial output, finish_reason "abort"
+    RETRACT = "retract"  # requests go back to the queue; KV is recomputed after resume
+    IN_PLACE = "in_place"  # requests keep their KV; a weight update must not flush it
+
+
+class WeightUpdate(BaseModel):
+    """New weights: tensors handed over in process, or a safetensors directory on disk."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    version: int | None = Field(default=None, description="None: current version + 1")
+    state_dict: Mapping[str, Any] | None = None
+    path: str | None = Field(default=None, description="HF-format safetensors directory")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WeightUpdate:
+        if (self.state_dict is None) == (self.path is None):
+            raise ValueError("give exactly one of state_dict or path")
+        return self
+
+
+class EngineInfo(BaseModel):
+    model: str
+    vocab_size: int
+    max_context: int
+    weight_version: int
+    running: int = 0
+    waiting: int = 0
+    paused: bool = False
+    sessions: int = 0
+    kv_tokens: int = Field(default=0, description="tokens held in session KV caches")
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    async def open_session(self, session_id: str | None = None) -> str: ...
+
+    async def close_session(self, session_id: str) -> None: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, update: WeightUpdate) -> int: ...
+
+    async def info(self) -> EngineInfo: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,157 @@
+"""The run config (DESIGN §7a): one document for the CLI (TOML), the REST API (JSON) and tests.
+
+Every field is documented and bounded so a malformed config fails before anything starts,
+naming the field. Backends are `type`-discriminated so each gets only its own options.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelInit(_Section):
+    """A small causal LM built from scratch (random init) when no checkpoint path is given."""
+
+    layers: int = Field(default=4, ge=1, le=64, description="transformer blocks")
+    hidden: int = Field(default=256, ge=16, le=16384, description="model width")
+    heads: int = Field(default=4, ge=1, le=256, description="attention heads")
+    kv_heads: int | None = Field(default=None, ge=1, description="None: same as heads")
+    intermediate: int | None = Field(default=None, ge=16, description="None: 4 x hidden")
+    max_context: int = Field(default=1024, ge=32, le=1 << 20, description="positions")
+    tokenizer: Literal["bytes"] = Field(default="bytes", description="the project's tokenizer")
+
+    @model_validator(mode="after")
+    def _divisible(self) -> ModelInit:
+        if self.hidden % self.heads:
+            raise ValueError("hidden must be divisible by heads")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError("heads must be divisible by kv_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str = Field(default="", description="local HF-format checkpoint dir; empty: build")
+    init: ModelInit = Field(default_factory=ModelInit, description="used when path is empty")
+
+
+class LocalEngineConfig(_Section):
+    type: Literal["local"] = "local"
+    device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
+    max_batch_size: int = Field(default=64, ge=1, le=4096, description="sequences per step")
+    kv_budget_tokens: int = Field(default=1 << 20, ge=1024, description="session KV budget")
+
+
+class SGLangEngineConfig(_Section):
+    type: Literal["sglang"] = "sglang"
+    urls: list[AnyHttpUrl] = Field(min_length=1, description="SGLang servers or a router")
+    timeout_s: float = Field(default=600.0, gt=0, description="per-request timeout")
+
+
+EngineConfig = Annotated[LocalEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
+class EnvEntry(_Section):
+    id: str = Field(
+        min_length=1,
+        max_length=264,
+        description="a built-in id (`namespace/Name-vN`) or a registered env `name[@version]`",
+    )
+    weight: float = Field(default=1.0, gt=0, description="share of episodes in the mix")
+    max_concurrency: int = Field(default=64, ge=1, le=100_000, description="live episodes cap")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the env")
+
+
+class AgentConfig(_Section):
+    type: Literal["whitebox", "http", "container"] = Field(default="whitebox")
+    max_turns: int = Field(default=6, ge=1, le=1000, description="turn budget per episode")
+    max_tokens: int = Field(default=512, ge=1, description="token budget per episode")
+    url: AnyHttpUrl | None = Field(default=None, description="agent service (type=http)")
+    command: list[str] = Field(default_factory=list, description="agent program (container)")
+    deadline_s: float = Field(default=600.0, gt=0, description="black-box episode deadline")
+    temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> AgentConfig:
+        if self.type == "http" and self.url is None:
+            raise ValueError("agent.url is required when agent.type is 'http'")
+        if self.type == "container" and not self.command:
+            raise ValueError("agent.command is required when agent.type is 'container'")
+        return self
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(default=8, ge=1, le=1024, description="samples per task")
+    max_staleness: int = Field(default=2, ge=0, description="versions a token may lag")
+    max_reuse: int = Field(default=1, ge=1, description="times a trajectory may be served")
+    partial_rollout: bool = Field(default=True, description="resume interrupted requests")
+    stale_policy: Literal["drop", "downweight"] = Field(default="drop")
+    max_concurrency: int = Field(default=256, ge=1, description="live episodes in total")
+
+
+class TrainerConfig(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    algorithm: Literal["grpo", "ppo", "rtpo"] = "grpo"
+    batch_episodes: int = Field(default=64, ge=1, description="episodes per optimizer step")
+    lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
+    steps: int = Field(default=200, ge=1, description="optimizer steps to run")
+    clip_eps: float = Field(default=0.2, gt=0, le=1.0, description="PPO clip range")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL to the reference policy")
+    max_grad_norm: float = Field(default=1.0, gt=0)
+
+
+class WeightsConfig(_Section):
+    sync: Literal["inprocess", "disk", "nccl"] = "inprocess"
+    dir: str = Field(default="", description="where `disk` sync writes shards")
+
+
+class TeacherConfig(_Section):
+    name: str = Field(min_length=1)
+    path: str = Field(default="", description="local HF checkpoint")
+    url: AnyHttpUrl | None = Field(default=None, description="remote engine")
+    envs: list[str] = Field(default_factory=list, description="env ids this teacher serves")
+    weight: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TeacherConfig:
+        if bool(self.path) == (self.url is not None):
+            raise ValueError("give exactly one of path or url")
+        return self
+
+
+class RunConfig(_Section):
+    """A whole run. `POST /v1/runs` takes this document as JSON."""
+
+    name: str = Field(description="run name: letters, digits, `.`, `_`, `-`")
+    seed: int = Field(default=0, ge=0)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=LocalEngineConfig)
+    envs: list[EnvEntry] = Field(min_length=1, description="the env mix")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    teachers: list[TeacherConfig] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
+        return value
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a TOML run config; raises pydantic.ValidationError naming the bad field."""
+    with open(path, "rb") as fh:
+        return RunConfig.model_validate(tomllib.load(fh))

@@ -1,0 +1,97 @@
+"""`agentflow serve` as a user runs it: a real process on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+AGENTFLOW = [sys.executable, "-m", "agentflow"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _server(database_url: str, cwd: Path) -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, "AGENTFLOW_DATABASE_URL": database_url}
+    proc = subprocess.Popen(
+        [*AGENTFLOW, "serve", "--port", str(port)],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read().decode() if proc.stdout else "exited")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("server did not start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.fixture(params=["sqlite-default", "postgresql"])
+def served_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgresql":
+        return str(request.getfixturevalue("pg_database"))
+    subprocess.run(
+        [*AGENTFLOW, "db", "upgrade"],
+        cwd=tmp_path,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "AGENTFLOW_DATABASE_URL"},
+    )
+    assert (tmp_path / "agentflow.db").exists()  # the default SQLite file
+    return f"sqlite+aiosqlite:///{tmp_path / 'agentflow.db'}"
+
+
+def test_envs_survive_a_restart(served_database: str, tmp_path: Path) -> None:
+    name = f"survivor-{os.getpid()}-{time.monotonic_ns()}"
+    body = {"name": name, "kind": "python", "spec": {"entry_point": "envs.builtin:X"}}
+    with _server(served_database, tmp_path) as url:
+        created = httpx.post(f"{url}/v1/envs", json=body)
+        assert created.status_code == 201, created.text
+        assert httpx.post(f"{url}/v1/envs", json=body).status_code == 409
+    with _server(served_database, tmp_path) as url:
+        found = httpx.get(f"{url}/v1/envs", params={"name": name}).json()
+        assert [e["id"] for e in found["items"]] == [created.json()["id"]]
+
+
+def test_refuses_a_schema_that_is_behind(tmp_path: Path) -> None:
+    env = {**os.environ, "AGENTFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'fresh.db'}"}
+    result = subprocess.run(
+        [*AGENTFLOW, "serve", "--port", str(_free_port())],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "agentflow db upgrade" in result.stderr
