@@ -83,8 +83,8 @@ class _Endpoints:
     def list_envs(
         name: str | None = None, kind: str | None = None, limit: int = 50, offset: int = 0
     ) -> _Call[Page[EnvPublic]]:
-        params = {k: v for k, v in dict(name=name, kind=kind).items() if v is not None}
-        params |= {"limit": limit, "offset": offset}
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        params |= {k: v for k, v in {"name": name, "kind": kind}.items() if v is not None}
         return _Call("GET", "/v1/envs", Page[EnvPublic].model_validate, params=params)
 
     @staticmethod

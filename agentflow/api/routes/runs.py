@@ -27,7 +27,7 @@ def _is_builtin(env_id: str) -> bool:
         return False
     from envs import registry  # imported late: registering built-ins imports their modules
 
-    return env_id in registry.registered_ids()
+    return env_id in registry.registered()
 
 
 async def _resolve_envs(session: AsyncSession, config: RunConfig) -> list[uuid.UUID]:

@@ -82,3 +82,10 @@ async def test_env_used_by_active_run_cannot_be_deleted(
         await conn.execute(update(Run).where(Run.id == run.id).values(status="finished"))
     await api.delete_env(env.id)
     assert (await api.get_run(run.id)).config["envs"][0]["id"].startswith(env_name)
+
+
+async def test_builtin_env_ids_need_no_registration(api: AsyncClient) -> None:
+    run = await api.create_run({"name": "quick", "envs": [{"id": "agentflow/guess-number-v0"}]})
+    assert run.config["envs"][0]["id"] == "agentflow/guess-number-v0"
+    with pytest.raises(InvalidInput):
+        await api.create_run({"name": "quick", "envs": [{"id": "agentflow/no-such-v0"}]})

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from agentflow.config import DEFAULT_DATABASE_URL, Settings
+
+
+def test_defaults_to_a_sqlite_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTFLOW_DATABASE_URL", raising=False)
+    assert Settings().database_url == DEFAULT_DATABASE_URL
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("postgres://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("sqlite:///x.db", "sqlite+aiosqlite:///x.db"),
+        ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ],
+)
+def test_plain_urls_get_async_drivers(given: str, expected: str) -> None:
+    assert Settings(database_url=given).database_url == expected
+
+
+def test_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTFLOW_API_KEY", "k")
+    monkeypatch.setenv("AGENTFLOW_DATABASE_URL", "sqlite:///y.db")
+    settings = Settings()
+    assert (settings.api_key, settings.database_url) == ("k", "sqlite+aiosqlite:///y.db")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"database_url": "mysql://x"}, "database_url"),
+        ({"environment": "staging"}, "environment"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        Settings(**kwargs)  # type: ignore[arg-type]
+    assert info.value.errors()[0]["loc"] == (field,)
+
+
+def test_production_needs_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTFLOW_API_KEY", raising=False)
+    with pytest.raises(ValidationError, match="AGENTFLOW_API_KEY"):
+        Settings(environment="production")
+    assert Settings(environment="production", api_key="k").api_key == "k"
