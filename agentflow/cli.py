@@ -189,6 +189,66 @@ def runs_list(
     typer.echo(f"{page.total} run(s)")
 
 
+@runs_app.command("create")
+def runs_create(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="run config TOML")],
+    start: Annotated[bool, typer.Option("--start/--no-start", help="play episodes now")] = True,
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+) -> None:
+    """Create a run from a TOML config (validated here first, then by the gateway)."""
+    from pydantic import ValidationError
+
+    from agentflow.run_config import load_run_config
+
+    try:
+        config = load_run_config(file)
+    except ValidationError as exc:
+        raise _fail(exc) from None
+    try:
+        with _client(url, api_key) as client:
+            _print(client.create_run(config, start=start))
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+
+
+@runs_app.command("control")
+def runs_control(
+    run_id: str,
+    action: Annotated[str, typer.Argument(help="pause, resume or stop")],
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+) -> None:
+    """Pause, resume or stop a live run."""
+    actions = {"pause": "pause_run", "resume": "resume_run", "stop": "stop_run"}
+    if action not in actions:
+        raise _fail(ValueError(f"action must be one of {sorted(actions)}"))
+    try:
+        with _client(url, api_key) as client:
+            _print(getattr(client, actions[action])(run_id))
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+
+
+@runs_app.command("episodes")
+def runs_episodes(
+    run_id: str,
+    status: Annotated[str | None, typer.Option()] = None,
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+) -> None:
+    """List a run's episodes."""
+    try:
+        with _client(url, api_key) as client:
+            page = client.list_run_episodes(run_id, status=status, limit=1000)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    for e in page.items:
+        reward = "-" if e.reward is None else f"{e.reward:.3f}"
+        typer.echo(f"{e.id}  {e.env_ref}  {e.status}  reward={reward}  {e.error or ''}")
+    typer.echo(f"{page.total} episode(s)")
+
+
 @runs_app.command("show")
 def runs_show(run_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) -> None:
     """Show one run with its config."""

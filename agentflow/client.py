@@ -16,7 +16,7 @@ import httpx
 
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.envs import EnvCreate, EnvPublic, EnvUpdate
-from agentflow.api.schemas.runs import RunPublic
+from agentflow.api.schemas.runs import EpisodePublic, RunPublic
 from agentflow.errors import (
     AgentFlowError,
     CapacityExceeded,
@@ -105,9 +105,26 @@ class _Endpoints:
         return _Call("DELETE", f"/v1/envs/{env_id}", _none)
 
     @staticmethod
-    def create_run(config: RunConfig | dict[str, Any]) -> _Call[RunPublic]:
+    def create_run(config: RunConfig | dict[str, Any], start: bool = True) -> _Call[RunPublic]:
         body = config.model_dump(mode="json") if isinstance(config, RunConfig) else config
-        return _Call("POST", "/v1/runs", RunPublic.model_validate, json=body)
+        params = {"start": str(start).lower()}
+        return _Call("POST", "/v1/runs", RunPublic.model_validate, json=body, params=params)
+
+    @staticmethod
+    def list_run_episodes(
+        run_id: uuid.UUID | str, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> _Call[Page[EpisodePublic]]:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if status is not None:
+            params["status"] = status
+        parse = Page[EpisodePublic].model_validate
+        return _Call("GET", f"/v1/runs/{run_id}/episodes", parse, params=params)
+
+    @staticmethod
+    def control_run(run_id: uuid.UUID | str, action: str) -> _Call[RunPublic]:
+        if action not in ("pause", "resume", "stop"):
+            raise ValueError(f"unknown run action {action!r}")
+        return _Call("POST", f"/v1/runs/{run_id}/{action}", RunPublic.model_validate)
 
     @staticmethod
     def list_runs(
@@ -177,8 +194,22 @@ class Client:
     def delete_env(self, env_id: uuid.UUID | str) -> None:
         return self._send(_Endpoints.delete_env(env_id))
 
-    def create_run(self, config: RunConfig | dict[str, Any]) -> RunPublic:
-        return self._send(_Endpoints.create_run(config))
+    def create_run(self, config: RunConfig | dict[str, Any], start: bool = True) -> RunPublic:
+        return self._send(_Endpoints.create_run(config, start))
+
+    def list_run_episodes(
+        self, run_id: uuid.UUID | str, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> Page[EpisodePublic]:
+        return self._send(_Endpoints.list_run_episodes(run_id, status, limit, offset))
+
+    def pause_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return self._send(_Endpoints.control_run(run_id, "pause"))
+
+    def resume_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return self._send(_Endpoints.control_run(run_id, "resume"))
+
+    def stop_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return self._send(_Endpoints.control_run(run_id, "stop"))
 
     def list_runs(
         self, status: str | None = None, limit: int = 50, offset: int = 0
@@ -248,8 +279,22 @@ class AsyncClient:
     async def delete_env(self, env_id: uuid.UUID | str) -> None:
         return await self._send(_Endpoints.delete_env(env_id))
 
-    async def create_run(self, config: RunConfig | dict[str, Any]) -> RunPublic:
-        return await self._send(_Endpoints.create_run(config))
+    async def create_run(self, config: RunConfig | dict[str, Any], start: bool = True) -> RunPublic:
+        return await self._send(_Endpoints.create_run(config, start))
+
+    async def list_run_episodes(
+        self, run_id: uuid.UUID | str, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> Page[EpisodePublic]:
+        return await self._send(_Endpoints.list_run_episodes(run_id, status, limit, offset))
+
+    async def pause_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return await self._send(_Endpoints.control_run(run_id, "pause"))
+
+    async def resume_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return await self._send(_Endpoints.control_run(run_id, "resume"))
+
+    async def stop_run(self, run_id: uuid.UUID | str) -> RunPublic:
+        return await self._send(_Endpoints.control_run(run_id, "stop"))
 
     async def list_runs(
         self, status: str | None = None, limit: int = 50, offset: int = 0

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite+aiosqlite:///./agentflow.db"
+_DEV_SECRET = "agentflow-development-secret"
 
 
 class Settings(BaseSettings):
@@ -31,6 +32,15 @@ class Settings(BaseSettings):
         default=1 << 20, ge=1024, description="requests with larger bodies get 422"
     )
     db_echo: bool = Field(default=False, description="log every SQL statement")
+    secret_key: str = Field(
+        default=_DEV_SECRET,
+        min_length=16,
+        description="signs the per-episode keys handed to black-box agents",
+    )
+    public_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="base URL agents use to reach this gateway",
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -57,6 +67,10 @@ class Settings(BaseSettings):
     def _safe_in_production(self) -> Settings:
         if self.environment == "production" and not self.api_key:
             raise ValueError("AGENTFLOW_API_KEY must be set when AGENTFLOW_ENVIRONMENT=production")
+        if self.environment == "production" and self.secret_key == _DEV_SECRET:
+            raise ValueError(
+                "AGENTFLOW_SECRET_KEY must be set when AGENTFLOW_ENVIRONMENT=production"
+            )
         return self
 
 

@@ -13,31 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agentflow.modeling import ModelInit
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class ModelInit(_Section):
-    """A small causal LM built from scratch (random init) when no checkpoint path is given."""
-
-    layers: int = Field(default=4, ge=1, le=64, description="transformer blocks")
-    hidden: int = Field(default=256, ge=16, le=16384, description="model width")
-    heads: int = Field(default=4, ge=1, le=256, description="attention heads")
-    kv_heads: int | None = Field(default=None, ge=1, description="None: same as heads")
-    intermediate: int | None = Field(default=None, ge=16, description="None: 4 x hidden")
-    max_context: int = Field(default=1024, ge=32, le=1 << 20, description="positions")
-    tokenizer: Literal["bytes"] = Field(default="bytes", description="the project's tokenizer")
-
-    @model_validator(mode="after")
-    def _divisible(self) -> ModelInit:
-        if self.hidden % self.heads:
-            raise ValueError("hidden must be divisible by heads")
-        if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError("heads must be divisible by kv_heads")
-        return self
 
 
 class ModelConfig(_Section):
@@ -54,8 +36,12 @@ class LocalEngineConfig(_Section):
 
 class SGLangEngineConfig(_Section):
     type: Literal["sglang"] = "sglang"
-    urls: list[AnyHttpUrl] = Field(min_length=1, description="SGLang servers or a router")
+    urls: list[AnyHttpUrl] = Field(
+        min_length=1, description="an sglang-router, or the first server then the others"
+    )
+    behind_router: bool = Field(default=True, description="a single URL is an sglang-router")
     timeout_s: float = Field(default=600.0, gt=0, description="per-request timeout")
+    max_context: int = Field(default=32768, ge=32, description="the served context length")
 
 
 EngineConfig = Annotated[LocalEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
@@ -76,6 +62,8 @@ class AgentConfig(_Section):
     type: Literal["whitebox", "http", "container"] = Field(default="whitebox")
     max_turns: int = Field(default=6, ge=1, le=1000, description="turn budget per episode")
     max_tokens: int = Field(default=512, ge=1, description="token budget per episode")
+    max_new_tokens: int = Field(default=64, ge=1, description="tokens per policy turn")
+    system_prompt: str | None = Field(default=None, description="prepended when the env has none")
     url: AnyHttpUrl | None = Field(default=None, description="agent service (type=http)")
     command: list[str] = Field(default_factory=list, description="agent program (container)")
     deadline_s: float = Field(default=600.0, gt=0, description="black-box episode deadline")
@@ -97,6 +85,15 @@ class RolloutConfig(_Section):
     partial_rollout: bool = Field(default=True, description="resume interrupted requests")
     stale_policy: Literal["drop", "downweight"] = Field(default="drop")
     max_concurrency: int = Field(default=256, ge=1, description="live episodes in total")
+    max_episodes: int | None = Field(
+        default=None, ge=1, description="stop after this many episodes; None: until stopped"
+    )
+    max_consecutive_failures: int = Field(
+        default=50, ge=1, description="fail the run after this many failed episodes in a row"
+    )
+    park_after_s: float | None = Field(
+        default=5.0, ge=0, description="release a waiting session's KV after this; None: never"
+    )
 
 
 class TrainerConfig(_Section):

@@ -7,9 +7,7 @@ afterwards, so parallel runs and other users of the server never collide.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,43 +15,24 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentflow.db import migrate
+from agentflow.db.scratch import DEFAULT_ADMIN_URL, scratch_database
 from agentflow.db.session import create_engine
 
-PG_ADMIN_URL = os.environ.get(
-    "AGENTFLOW_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-)
-
-
-async def _admin(sql: str) -> None:
-    engine = create_engine(PG_ADMIN_URL)
-    async with engine.connect() as conn:
-        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await conn.exec_driver_sql(sql)
-    await engine.dispose()
-
-
-def _pg_url(name: str) -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+PG_ADMIN_URL = os.environ.get("AGENTFLOW_TEST_PG_URL", DEFAULT_ADMIN_URL)
 
 
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for this test session; its URL."""
-    name = f"agentflow_test_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    url = _pg_url(name)
-    migrate.upgrade(url)
-    yield url
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with scratch_database(PG_ADMIN_URL, prefix="agentflow_test") as url:
+        yield url
 
 
 @pytest.fixture
 def empty_pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database with no schema at all (for migration tests)."""
-    name = f"agentflow_empty_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    yield _pg_url(name)
-    asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with scratch_database(PG_ADMIN_URL, prefix="agentflow_empty", upgrade=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,26 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 import agentflow
+from agentflow.agents.blackbox.live import LiveEpisodes
+from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.api.deps import require_api_key
 from agentflow.api.errors import install_error_handlers
 from agentflow.api.limits import BodySizeLimit
-from agentflow.api.routes import envs, episodes, health, runs, trajectories
+from agentflow.api.routes import (
+    agent_callbacks,
+    chat,
+    envs,
+    episodes,
+    health,
+    metrics,
+    runs,
+    trajectories,
+)
 from agentflow.config import Settings, get_settings
 from agentflow.db.migrate import ensure_schema_current
 from agentflow.db.session import create_engine, session_factory
+from agentflow.metrics import GatewayMetrics
+from agentflow.rollout.manager import RunManager
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -26,16 +39,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             await ensure_schema_current(engine)  # refuse to serve a schema that is behind
             app.state.sessionmaker = session_factory(engine)
-            yield
+            manager = RunManager(
+                app.state.sessionmaker, app.state.runtimes, settings, app.state.metrics
+            )
+            app.state.run_manager = manager
+            await manager.recover()
+            try:
+                yield
+            finally:
+                await manager.shutdown()
         finally:
             await engine.dispose()
 
     app = FastAPI(title="AgentFlow", version=agentflow.__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.runtimes = RuntimeRegistry()
+    app.state.metrics = GatewayMetrics()
+    app.state.live_episodes = LiveEpisodes()  # black-box episodes' chat state and agents
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(health.router)
+    # Black-box agents authenticate with their per-episode key, not the API key.
+    app.include_router(chat.router)
+    app.include_router(agent_callbacks.router)
     protected = [Depends(require_api_key)]
-    for module in (envs, runs, episodes, trajectories):
+    for module in (envs, runs, episodes, trajectories, metrics):
         app.include_router(module.router, dependencies=protected)
     return app

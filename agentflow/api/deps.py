@@ -9,8 +9,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.errors import Unauthorized
+from agentflow.rollout.manager import RunManager
 
 
 def get_settings(request: Request) -> Settings:
@@ -30,9 +32,21 @@ async def get_session(
         yield session
 
 
+def get_runtimes(request: Request) -> RuntimeRegistry:
+    runtimes: RuntimeRegistry = request.app.state.runtimes
+    return runtimes
+
+
+def get_run_manager(request: Request) -> RunManager:
+    manager: RunManager = request.app.state.run_manager
+    return manager
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
 SessionMakerDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessionmaker)]
+RuntimesDep = Annotated[RuntimeRegistry, Depends(get_runtimes)]
+RunManagerDep = Annotated[RunManager, Depends(get_run_manager)]
 
 
 async def require_api_key(request: Request, settings: SettingsDep) -> None:

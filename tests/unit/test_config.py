@@ -49,4 +49,7 @@ def test_production_needs_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTFLOW_API_KEY", raising=False)
     with pytest.raises(ValidationError, match="AGENTFLOW_API_KEY"):
         Settings(environment="production")
-    assert Settings(environment="production", api_key="k").api_key == "k"
+    with pytest.raises(ValidationError, match="AGENTFLOW_SECRET_KEY"):
+        Settings(environment="production", api_key="k")
+    settings = Settings(environment="production", api_key="k", secret_key="s" * 32)
+    assert settings.api_key == "k"

@@ -1,63 +1,53 @@
-"""`/v1/runs`: run configs, validated and stored with their status."""
+"""`/v1/runs`: run configs, their status and episodes, and control of live runs."""
 
 from __future__ import annotations
 
-import re
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from agentflow.api.deps import SessionDep
+from agentflow.api.deps import RunManagerDep, SessionDep, SessionMakerDep
 from agentflow.api.schemas.common import Page
-from agentflow.api.schemas.runs import RunPublic, RunStatus
-from agentflow.db.models import Environment, Run, RunEnvironment
+from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
+from agentflow.db.models import Episode, Run, RunEnvironment
 from agentflow.errors import InvalidInput, NotFound
+from agentflow.rollout.envs import resolve_env_sources
 from agentflow.run_config import RunConfig
+from agentflow.types import EpisodeStatus
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
-_BUILTIN_ID = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+-v\d+$")
 
-
-def _is_builtin(env_id: str) -> bool:
-    if not _BUILTIN_ID.match(env_id):
-        return False
-    from envs import registry  # imported late: registering built-ins imports their modules
-
-    return env_id in registry.registered()
-
-
-async def _resolve_envs(session: AsyncSession, config: RunConfig) -> list[uuid.UUID]:
-    """Registered envs a run names (by `name` or `name@version`); built-in ids need none."""
-    linked: list[uuid.UUID] = []
-    for index, entry in enumerate(config.envs):
-        name, _, version = entry.id.partition("@")
-        query = select(Environment.id).where(Environment.name == name)
-        if version:
-            query = query.where(Environment.version == version)
-        env_id = await session.scalar(query.order_by(Environment.created_at.desc()).limit(1))
-        if env_id is not None:
-            linked.append(env_id)
-        elif version or not _is_builtin(entry.id):
-            raise InvalidInput(
-                f"unknown environment {entry.id!r}: register it (POST /v1/envs) "
-                "or name a built-in env id",
-                field=("body", "envs", str(index), "id"),
-            )
-    return list(dict.fromkeys(linked))
+async def _get(session: SessionDep, run_id: uuid.UUID) -> Run:
+    run = await session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} not found")
+    return run
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic)
-async def create_run(config: RunConfig, session: SessionDep) -> Run:
-    env_ids = await _resolve_envs(session, config)
+async def create_run(
+    config: RunConfig,
+    session: SessionDep,
+    maker: SessionMakerDep,
+    manager: RunManagerDep,
+    start: Annotated[bool, Query(description="start playing episodes now")] = True,
+) -> Run:
+    try:
+        sources = await resolve_env_sources(maker, config.envs)
+    except InvalidInput as exc:
+        raise InvalidInput(exc.message, field=("body", *exc.field)) from None
     run = Run(name=config.name, config=config.model_dump(mode="json"), status="pending")
     session.add(run)
     await session.flush()
-    session.add_all(RunEnvironment(run_id=run.id, environment_id=e) for e in env_ids)
+    linked = {s.environment_id for s in sources if s.environment_id is not None}
+    session.add_all(RunEnvironment(run_id=run.id, environment_id=e) for e in linked)
     await session.commit()
+    if start:
+        await manager.start(run.id, config)
+        await session.refresh(run)
     return run
 
 
@@ -83,7 +73,49 @@ async def list_runs(
 
 @router.get("/{run_id}", response_model=RunPublic)
 async def get_run(run_id: uuid.UUID, session: SessionDep) -> Run:
-    run = await session.get(Run, run_id)
-    if run is None:
-        raise NotFound(f"run {run_id} not found")
-    return run
+    return await _get(session, run_id)
+
+
+@router.get("/{run_id}/episodes", response_model=Page[EpisodePublic])
+async def list_run_episodes(
+    run_id: uuid.UUID,
+    session: SessionDep,
+    status: EpisodeStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> dict[str, Any]:
+    await _get(session, run_id)
+    query = select(Episode).where(Episode.run_id == run_id)
+    if status is not None:
+        query = query.where(Episode.status == status)
+    total = await session.scalar(select(func.count()).select_from(query.subquery()))
+    rows = await session.scalars(
+        query.order_by(Episode.created_at, Episode.id).limit(limit).offset(offset)
+    )
+    return {"items": list(rows), "total": total or 0, "limit": limit, "offset": offset}
+
+
+@router.post("/{run_id}/pause", response_model=RunPublic)
+async def pause_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
+    await _get(session, run_id)
+    await (await manager.live(run_id)).pause()
+    return await _fresh(session, run_id)
+
+
+@router.post("/{run_id}/resume", response_model=RunPublic)
+async def resume_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
+    await _get(session, run_id)
+    await (await manager.live(run_id)).resume()
+    return await _fresh(session, run_id)
+
+
+@router.post("/{run_id}/stop", response_model=RunPublic)
+async def stop_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
+    await _get(session, run_id)
+    await (await manager.live(run_id)).stop("stopped through the API")
+    return await _fresh(session, run_id)
+
+
+async def _fresh(session: SessionDep, run_id: uuid.UUID) -> Run:
+    session.expire_all()
+    return await _get(session, run_id)

@@ -22,3 +22,19 @@ class RunPublic(BaseModel):
     error: str | None
     created_at: datetime
     updated_at: datetime
+
+
+class EpisodePublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: uuid.UUID
+    run_id: uuid.UUID | None
+    environment_id: uuid.UUID | None
+    env_ref: str
+    task: dict[str, Any]
+    group_id: str | None
+    status: str
+    reward: float | None
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None

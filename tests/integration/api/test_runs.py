@@ -23,7 +23,9 @@ async def _env(api: AsyncClient) -> str:
 
 async def test_create_get_list(api: AsyncClient) -> None:
     env = await _env(api)
-    run = await api.create_run({"name": "r1", "envs": [{"id": env}], "trainer": {"lr": 1e-3}})
+    run = await api.create_run(
+        {"name": "r1", "envs": [{"id": env}], "trainer": {"lr": 1e-3}}, start=False
+    )
     assert run.status == "pending" and run.weight_version == 0
     assert run.config["trainer"]["lr"] == 1e-3
     assert run.config["rollout"]["max_staleness"] == 2  # defaults are stored explicitly
@@ -57,14 +59,14 @@ async def test_create_get_list(api: AsyncClient) -> None:
 async def test_bad_config_names_the_field(
     http: httpx.AsyncClient, body: dict[str, object], loc: list[object]
 ) -> None:
-    response = await http.post("/v1/runs", json=body)
+    response = await http.post("/v1/runs", json=body, params={"start": "false"})
     assert response.status_code == 422, response.text
     assert loc in [d["loc"] for d in response.json()["detail"]]
 
 
 async def test_unknown_env_is_refused(api: AsyncClient) -> None:
     with pytest.raises(InvalidInput) as info:
-        await api.create_run({"name": "r", "envs": [{"id": "no-such-env"}]})
+        await api.create_run({"name": "r", "envs": [{"id": "no-such-env"}]}, start=False)
     assert info.value.field == ("body", "envs", "0", "id")
 
 
@@ -73,7 +75,9 @@ async def test_env_used_by_active_run_cannot_be_deleted(
 ) -> None:
     env_name = await _env(api)
     env = (await api.list_envs(name=env_name)).items[0]
-    run = await api.create_run({"name": "r", "envs": [{"id": f"{env_name}@{env.version}"}]})
+    run = await api.create_run(
+        {"name": "r", "envs": [{"id": f"{env_name}@{env.version}"}]}, start=False
+    )
     async with db_engine.begin() as conn:
         await conn.execute(update(Run).where(Run.id == run.id).values(status="running"))
     with pytest.raises(Conflict):
@@ -85,7 +89,11 @@ async def test_env_used_by_active_run_cannot_be_deleted(
 
 
 async def test_builtin_env_ids_need_no_registration(api: AsyncClient) -> None:
-    run = await api.create_run({"name": "quick", "envs": [{"id": "agentflow/guess-number-v0"}]})
+    run = await api.create_run(
+        {"name": "quick", "envs": [{"id": "agentflow/guess-number-v0"}]}, start=False
+    )
     assert run.config["envs"][0]["id"] == "agentflow/guess-number-v0"
     with pytest.raises(InvalidInput):
-        await api.create_run({"name": "quick", "envs": [{"id": "agentflow/no-such-v0"}]})
+        await api.create_run(
+            {"name": "quick", "envs": [{"id": "agentflow/no-such-v0"}]}, start=False
+        )

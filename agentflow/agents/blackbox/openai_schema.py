@@ -1,0 +1,180 @@
+"""OpenAI chat-completion requests, validated, and the answers built from engine output.
+
+Only what the gateway can honour exactly is accepted: text content (strings or `text`
+parts), function tools, `n = 1`, no stop strings (stopping is on the chat template's
+end-of-turn tokens). Unknown top-level fields that do not change the sampled tokens
+(`user`, `metadata`, `parallel_tool_calls`, ...) are ignored, so unchanged agents work.
+
+`temperature` and `top_p` are accepted but the run's sampling policy wins: the stored
+log-probs must all come from one behaviour distribution for training to be correct.
+`max_tokens` / `max_completion_tokens` may only shorten the run's `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agentflow.errors import InvalidInput
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=200)
+    arguments: str = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments are not JSON: {exc.msg}") from exc
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object")
+        return value
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(default="", max_length=200)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=64)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The plain mapping the chat template renders (`developer` is a system message)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=200)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=200)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    tools: list[ToolDef] | None = Field(default=None, max_length=256)
+    tool_choice: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool | None = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported: send one request per sample")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value:
+            raise ValueError(
+                "stop strings are not supported: generation stops at the end-of-turn token"
+            )
+        return value
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def token_limit(self) -> int | None:
+        limits = [v for v in (self.max_tokens, self.max_completion_tokens) if v is not None]
+        return min(limits) if limits else None
+
+    @property
+    def parse_tool_calls(self) -> bool:
+        return self.tool_choice != "none"
+
+
+def parse_request(body: Any) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; `InvalidInput` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object", field="body")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidInput(f"{where}: {first['msg']}", field=where) from exc
+    if request.messages[-1].role == "assistant":
+        raise InvalidInput(
+            "the last message is an assistant message: continuing a prefilled assistant "
+            "turn is not supported",
+            field="messages",
+        )
+    return request
+
+
+def error_body(
+    message: str, *, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, which its clients turn into typed exceptions."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

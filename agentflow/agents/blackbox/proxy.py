@@ -1,0 +1,207 @@
+"""The chat-completion core of the OpenAI-compatible gateway.
+
+One request: render the conversation with the run's chat template, match it against the
+episode's turn tree (`matching`), persist the unmatched remainder as a `prompt` (new
+root) or `env` turn, generate only what the engine has not seen, persist the `policy`
+turn with the engine's token ids, log-probs and weight versions, and hand back the
+answer. Formatting it as JSON or SSE is the caller's business (`responses`, `sse`).
+
+The engine session of an episode is named after it; a request continues the session from
+the nearest policy turn on its path that the session holds (SGLang semantics: the
+parent rid's prompt + output, then only the new tokens), and otherwise sends the whole
+context from the turn tree, as after a gateway restart.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from agentflow.agents.blackbox.live import ChatState, LiveEpisodes
+from agentflow.agents.blackbox.matching import AssistantView, assistant_view, match_request
+from agentflow.agents.blackbox.openai_schema import ChatCompletionRequest
+from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import Conflict, EngineRequestError, EngineUnavailable, InvalidInput
+from agentflow.inference.base import GenerateRequest, GenerateResult, SamplingParams, SessionRef
+from agentflow.tokenization.chat import ChatTemplate
+from agentflow.types import OPEN_EPISODE_STATUSES, TurnKind, TurnNode, TurnRecord
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    episode_id: uuid.UUID
+    turn_id: uuid.UUID  # the policy turn
+    parent_id: uuid.UUID  # the turn it continues (the request's last segment)
+    model: str
+    template: ChatTemplate
+    result: GenerateResult
+    view: AssistantView
+    created: int
+
+    @property
+    def finish_reason(self) -> str:
+        if self.view.tool_calls:
+            return "tool_calls"
+        return "length" if self.result.finish_reason == "length" else "stop"
+
+
+class ChatProxy:
+    def __init__(self, turns: TurnTree, runtimes: RuntimeRegistry, live: LiveEpisodes) -> None:
+        self.turns = turns
+        self.runtimes = runtimes
+        self.live = live
+
+    async def complete(
+        self, episode_id: uuid.UUID, request: ChatCompletionRequest
+    ) -> ChatAnswer:
+        with self.live.admit(episode_id) as state:
+            episode = await self.turns.episode(episode_id)
+            if episode.status not in OPEN_EPISODE_STATUSES:
+                await self.live.release_chat(episode_id)
+                raise Conflict(f"episode {episode_id} is {episode.status}; it takes no requests")
+            runtime = self.runtimes.get(episode.run_id)
+            messages, tools = request.template_messages(), request.template_tools()
+            # Matching and writing the new segment are one step per episode, so two
+            # identical concurrent requests share one segment instead of racing.
+            async with state.lock:
+                tree = await self.turns.episode_tree(episode_id)
+                found = match_request(runtime.template, tree.roots, messages, tools)
+                # Refuse what cannot fit before anything is written.
+                _room(runtime, sum(len(n.token_ids) for n in found.path) + len(found.new_tokens))
+                path: list[TurnNode | _Written] = list(found.path)
+                if found.new_tokens:
+                    kind: TurnKind = "prompt" if found.parent is None else "env"
+                    record = TurnRecord(kind=kind, token_ids=tuple(found.new_tokens))
+                    parent_id = found.parent.id if found.parent else None
+                    new_id = await self.turns.add_turn(episode_id, parent_id, record)
+                    path.append(_Written(new_id, tuple(found.new_tokens), kind))
+            if not path or path[-1].kind == "policy":
+                raise InvalidInput("the request adds no message after the last answer")
+            return await self._generate(episode_id, state, runtime, path, request)
+
+    async def _generate(
+        self,
+        episode_id: uuid.UUID,
+        state: ChatState,
+        runtime: PolicyRuntime,
+        path: list[TurnNode | _Written],
+        request: ChatCompletionRequest,
+    ) -> ChatAnswer:
+        context = [t for node in path for t in node.token_ids]
+        room = _room(runtime, len(context))
+        limit = min(runtime.sampling.max_new_tokens, request.token_limit() or room, room)
+        sampling = runtime.sampling.model_copy(
+            update={
+                "max_new_tokens": limit,
+                "stop_token_ids": tuple(runtime.template.stop_ids),
+                "seed": request.seed if request.seed is not None else runtime.sampling.seed,
+            }
+        )
+        turn_id = uuid.uuid4()
+        session = await self._session(episode_id, state, runtime)
+        start = time.perf_counter()
+        result = await self._run(runtime, state, session, turn_id, path, context, sampling)
+        generate_s = time.perf_counter() - start
+        if result.finish_reason == "abort":
+            raise EngineUnavailable("the engine aborted the generation (paused?); retry")
+        view = assistant_view(
+            runtime.template, result.output_ids, parse_calls=request.parse_tool_calls
+        )
+        record = TurnRecord(
+            kind="policy",
+            token_ids=tuple(result.output_ids),
+            logprobs=tuple(result.logprobs),
+            weight_versions=tuple(result.token_versions()),
+            text=view.content.replace("\x00", ""),
+            finish_reason=result.finish_reason,
+            timings={"generate": generate_s},
+        )
+        parent_id = path[-1].id
+        await self.turns.add_turn(episode_id, parent_id, record, turn_id=turn_id)
+        if session is not None:
+            state.session_rids.add(turn_id)
+        return ChatAnswer(
+            episode_id=episode_id,
+            turn_id=turn_id,
+            parent_id=parent_id,
+            model=runtime.model_name,
+            template=runtime.template,
+            result=result,
+            view=view,
+            created=int(time.time()),
+        )
+
+    async def _session(
+        self, episode_id: uuid.UUID, state: ChatState, runtime: PolicyRuntime
+    ) -> str | None:
+        if state.session_id is not None and state.engine is runtime.engine:
+            return state.session_id
+        name = f"episode-{episode_id.hex}"
+        try:
+            state.session_id = await runtime.engine.open_session(name)
+        except EngineRequestError:  # already open: this process opened it before
+            state.session_id = name
+        except Exception:
+            return None  # an engine without sessions: send whole contexts
+        state.engine = runtime.engine
+        state.session_rids.clear()
+        return state.session_id
+
+    async def _run(
+        self,
+        runtime: PolicyRuntime,
+        state: ChatState,
+        session: str | None,
+        turn_id: uuid.UUID,
+        path: list[TurnNode | _Written],
+        context: list[int],
+        sampling: SamplingParams,
+    ) -> GenerateResult:
+        rid = turn_id.hex
+        base = GenerateRequest(input_ids=tuple(context), sampling=sampling, rid=rid)
+        if session is None:
+            return await runtime.engine.generate(base)
+        offset = held = 0
+        parent: uuid.UUID | None = None
+        for node in path:
+            offset += len(node.token_ids)
+            if node.kind == "policy" and node.id in state.session_rids:
+                parent, held = node.id, offset
+        if parent is not None:
+            continued = base.model_copy(
+                update={
+                    "input_ids": tuple(context[held:]),
+                    "session": SessionRef(session_id=session, parent_rid=parent.hex),
+                }
+            )
+            try:
+                return await runtime.engine.generate(continued)
+            except EngineRequestError:
+                state.session_rids.discard(parent)  # lost or evicted: recompute below
+        fresh = base.model_copy(update={"session": SessionRef(session_id=session)})
+        return await runtime.engine.generate(fresh)
+
+
+@dataclass(frozen=True)
+class _Written:
+    """The segment this request wrote, standing in for its (not re-read) `TurnNode`."""
+
+    id: uuid.UUID
+    token_ids: tuple[int, ...]
+    kind: str
+
+
+def _room(runtime: PolicyRuntime, context_tokens: int) -> int:
+    """Tokens left to generate after a context of `context_tokens`; at least one."""
+    engine_limit = getattr(runtime.engine, "max_context", None)
+    limit = runtime.max_context
+    if isinstance(engine_limit, int) and engine_limit > 0:
+        limit = min(limit, engine_limit)
+    if context_tokens >= limit:
+        raise InvalidInput(
+            f"the conversation is {context_tokens} tokens; the model's context is {limit}",
+            field="messages",
+        )
+    return limit - context_tokens

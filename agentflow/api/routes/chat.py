@@ -1,0 +1,138 @@
+"""The OpenAI-compatible endpoints black-box agents call.
+
+    POST /v1/episodes/{id}/chat/completions   key bound to that episode (or the API key)
+    POST /v1/chat/completions                 the episode is the one the key is bound to
+    GET  /v1/models                           the models of the live runs
+
+Agents authenticate with their per-episode key as `Authorization: Bearer <key>`, not the
+gateway's API key, so these routes are mounted without it. Errors use OpenAI's body
+shape (`{"error": {"message", "type", "param", "code"}}`) so OpenAI clients raise their
+typed exceptions: 400 malformed request, 401 wrong key, 404 unknown episode or no live
+run, 409 finished episode, 429 too many requests in flight for one episode.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from agentflow.agents.blackbox.live import LiveEpisodes
+from agentflow.agents.blackbox.openai_schema import error_body, parse_request
+from agentflow.agents.blackbox.proxy import ChatProxy
+from agentflow.agents.blackbox.responses import completion_of
+from agentflow.agents.blackbox.sse import stream_chunks
+from agentflow.agents.keys import episode_for_key
+from agentflow.agents.runtime import RuntimeRegistry
+from agentflow.api.deps import SettingsDep
+from agentflow.config import Settings
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import AgentFlowError, InvalidInput, NotFound, Unauthorized
+
+router = APIRouter(tags=["openai"])
+
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("not_found_error", "not_found"),
+    409: ("invalid_request_error", "episode_finished"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+}
+
+
+def openai_error(exc: AgentFlowError) -> JSONResponse:
+    # OpenAI answers every malformed request with 400, never FastAPI's 422.
+    status = 400 if exc.status_code == 422 else exc.status_code
+    type_, code = _TYPES.get(status, ("server_error", "server_error"))
+    param = ".".join(exc.field) if isinstance(exc, InvalidInput) and exc.field else None
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    body = error_body(exc.message, type_=type_, code=code, param=param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def live_episodes(request: Request) -> LiveEpisodes:
+    live: LiveEpisodes = request.app.state.live_episodes
+    return live
+
+
+def bearer_token(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("send the episode key as `Authorization: Bearer <key>`")
+    return token.strip()
+
+
+def authorize_episode(
+    request: Request, settings: Settings, episode_id: uuid.UUID | None
+) -> uuid.UUID:
+    """The episode this request may act on: the key's, which must be `episode_id` if given.
+    The gateway's API key (when one is set) may act on any episode it names."""
+    token = bearer_token(request)
+    if episode_id is not None and settings.api_key:
+        if secrets.compare_digest(token, settings.api_key):
+            return episode_id
+    bound = episode_for_key(token, settings.secret_key)
+    if episode_id is not None and bound != episode_id:
+        raise Unauthorized("this key is bound to another episode")
+    return bound
+
+
+def parse_episode_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise NotFound(f"episode {raw!r} not found (not a UUID)") from None
+
+
+async def _complete(request: Request, settings: Settings, raw_id: str | None) -> Response:
+    try:
+        episode_id = authorize_episode(
+            request, settings, parse_episode_id(raw_id) if raw_id is not None else None
+        )
+        try:
+            body: Any = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"the body is not valid JSON: {exc}", field="body") from None
+        chat = parse_request(body)
+        runtimes: RuntimeRegistry = request.app.state.runtimes
+        turns = TurnTree(request.app.state.sessionmaker)
+        proxy = ChatProxy(turns, runtimes, live_episodes(request))
+        answer = await proxy.complete(episode_id, chat)
+    except AgentFlowError as exc:
+        return openai_error(exc)
+    if chat.stream:
+        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        return StreamingResponse(
+            stream_chunks(answer, include_usage=include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return JSONResponse(completion_of(answer, with_logprobs=bool(chat.logprobs)))
+
+
+@router.post("/v1/episodes/{episode_id}/chat/completions", response_model=None)
+async def episode_chat(episode_id: str, request: Request, settings: SettingsDep) -> Response:
+    return await _complete(request, settings, episode_id)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(request: Request, settings: SettingsDep) -> Response:
+    return await _complete(request, settings, None)
+
+
+@router.get("/v1/models", response_model=None)
+async def models(request: Request, settings: SettingsDep) -> Response:
+    try:
+        token = bearer_token(request)
+        if not (settings.api_key and secrets.compare_digest(token, settings.api_key)):
+            episode_for_key(token, settings.secret_key)
+    except AgentFlowError as exc:
+        return openai_error(exc)
+    runtimes: RuntimeRegistry = request.app.state.runtimes
+    names = dict.fromkeys(runtime.model_name for _, runtime in runtimes.items())
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "agentflow"} for n in names]
+    return JSONResponse({"object": "list", "data": data})

@@ -1,0 +1,194 @@
+"""The SQL of the turn tree: batch insert with tree checks, and recursive path reads.
+
+Plain async functions over a session, used by `agentflow.db.turn_tree.TurnTree`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import Select, Table, bindparam, select
+from sqlalchemy import insert as sql_insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from agentflow.db import turn_rows
+from agentflow.db.models import Episode, Trajectory, Turn
+from agentflow.errors import Conflict, InvalidInput, NotFound
+from agentflow.types import FINAL_EPISODE_STATUSES, NewTurn, TurnRecord
+
+turns = cast(Table, Turn.__table__)
+episodes = cast(Table, Episode.__table__)
+trajectories = cast(Table, Trajectory.__table__)
+_CHUNK = 500  # ids per IN (...) list: far below every bind-parameter limit
+
+# Columns a context needs; a path needs all of them.
+CONTEXT_COLUMNS = (
+    "id",
+    "parent_id",
+    "depth",
+    "token_ids",
+    "logprobs",
+    "weight_versions",
+    "loss_mask",
+)
+TURN_COLUMNS = tuple(c.name for c in turns.columns)
+
+
+def chunks(ids: Sequence[uuid.UUID]) -> Iterable[Sequence[uuid.UUID]]:
+    for start in range(0, len(ids), _CHUNK):
+        yield ids[start : start + _CHUNK]
+
+
+Placement = tuple[uuid.UUID, int]  # a written turn's (episode id, depth)
+
+
+async def insert_turns(
+    session: AsyncSession,
+    batch: Sequence[NewTurn],
+    placed: Mapping[uuid.UUID, Placement] | None = None,
+) -> dict[uuid.UUID, Placement]:
+    """Insert `batch` (parents before children) with one executemany, after checking the
+    tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
+    holds turns already known to be stored (turns never move), which saves reading them
+    back; returns the placement of every turn written."""
+    positions: dict[uuid.UUID, int] = {}
+    for index, turn in enumerate(batch):
+        if not isinstance(turn.record, TurnRecord):
+            raise InvalidInput("each turn needs a TurnRecord", field=("turns", str(index)))
+        if turn.id in positions:
+            raise InvalidInput(
+                f"turn id {turn.id} appears twice in the batch",
+                field=("turns", str(index), "id"),
+            )
+        positions[turn.id] = index
+
+    # Parents outside the batch: turns are never updated, so reading them needs no lock.
+    known = placed or {}
+    stored: dict[uuid.UUID, Placement] = {}
+    outside = []
+    for t in batch:
+        if t.parent_id is None or t.parent_id in positions:
+            continue
+        if t.parent_id in known:
+            stored[t.parent_id] = known[t.parent_id]
+        else:
+            outside.append(t.parent_id)
+    outside = turn_rows.ids_in_order(outside)
+    for chunk in chunks(outside):
+        rows = await session.execute(
+            select(turns.c.id, turns.c.episode_id, turns.c.depth).where(turns.c.id.in_(chunk))
+        )
+        stored.update({row.id: (row.episode_id, row.depth) for row in rows})
+
+    depths: dict[uuid.UUID, int] = {}
+    now = datetime.now(UTC)
+    rows_out: list[dict[str, Any]] = []
+    for index, turn in enumerate(batch):
+        depth = 0
+        if turn.parent_id is not None:
+            where = ("turns", str(index), "parent_id")
+            if turn.parent_id in depths:
+                parent_episode = batch[positions[turn.parent_id]].episode_id
+                depth = depths[turn.parent_id] + 1
+            elif turn.parent_id in positions:
+                raise InvalidInput(
+                    f"parent {turn.parent_id} comes after its child in the batch", field=where
+                )
+            elif turn.parent_id in stored:
+                parent_episode, parent_depth = stored[turn.parent_id]
+                depth = parent_depth + 1
+            else:
+                raise NotFound(f"parent turn {turn.parent_id} not found")
+            if parent_episode != turn.episode_id:
+                raise InvalidInput(
+                    f"parent turn {turn.parent_id} belongs to episode {parent_episode}, "
+                    f"not {turn.episode_id}",
+                    field=where,
+                )
+        depths[turn.id] = depth
+        # Distinct timestamps keep siblings written in one batch in their written order.
+        rows_out.append(turn_rows.turn_row(turn, depth, now + timedelta(microseconds=index)))
+
+    await session.execute(sql_insert(turns), rows_out)
+
+    # After the insert, so a concurrent completion cannot slip in between check and write.
+    episode_ids = turn_rows.ids_in_order([t.episode_id for t in batch])
+    for chunk in chunks(episode_ids):
+        statuses = await session.execute(
+            select(episodes.c.id, episodes.c.status)
+            .where(episodes.c.id.in_(chunk))
+            .with_for_update(read=True)
+        )
+        for row in statuses:
+            if row.status in FINAL_EPISODE_STATUSES:
+                raise Conflict(f"episode {row.id} is {row.status}: it takes no more turns")
+    return {turn.id: (turn.episode_id, depths[turn.id]) for turn in batch}
+
+
+async def explain_insert_failure(
+    sessions: async_sessionmaker[AsyncSession], batch: Sequence[NewTurn], exc: IntegrityError
+) -> Exception:
+    """Name what made an insert fail: a missing episode, or a turn id already used."""
+    episode_ids = turn_rows.ids_in_order([t.episode_id for t in batch])
+    turn_ids = [t.id for t in batch]
+    async with sessions() as session:
+        for chunk in chunks(episode_ids):
+            found = set(
+                await session.scalars(select(episodes.c.id).where(episodes.c.id.in_(chunk)))
+            )
+            missing = [e for e in chunk if e not in found]
+            if missing:
+                return NotFound(f"episode {missing[0]} not found")
+        for chunk in chunks(turn_ids):
+            taken = list(await session.scalars(select(turns.c.id).where(turns.c.id.in_(chunk))))
+            if taken:
+                return Conflict(f"turn id {taken[0]} is already used")
+    return Conflict(f"turns conflict with stored data: {exc.orig}")
+
+
+def _path_query(columns: Sequence[str]) -> Select[Any]:
+    """Root-first paths of the turns whose ids are bound to `ids`, one row per turn on a
+    path, tagged with the turn it leads to (`leaf_id`). Built once: building a CTE costs
+    more than running it."""
+    carried = [name for name in columns if name not in ("id", "parent_id", "depth")]
+    seed = select(
+        turns.c.id.label("leaf_id"),
+        turns.c.id,
+        turns.c.parent_id,
+        turns.c.depth,
+        *(turns.c[name] for name in carried),
+    ).where(turns.c.id.in_(bindparam("ids", expanding=True)))
+    path = seed.cte("path", recursive=True)
+    parent = turns.alias("parent")
+    path = path.union_all(
+        select(
+            path.c.leaf_id,
+            parent.c.id,
+            parent.c.parent_id,
+            parent.c.depth,
+            *(parent.c[name] for name in carried),
+        ).where(parent.c.id == path.c.parent_id)
+    )
+    return select(path).order_by(path.c.leaf_id, path.c.depth)
+
+
+_PATH_QUERIES = {columns: _path_query(columns) for columns in (CONTEXT_COLUMNS, TURN_COLUMNS)}
+
+
+async def paths(
+    session: AsyncSession, turn_ids: Sequence[uuid.UUID], columns: Sequence[str]
+) -> dict[uuid.UUID, list[Any]]:
+    """The root-first path of every turn in `turn_ids` (`columns` is `CONTEXT_COLUMNS` or
+    `TURN_COLUMNS`), one recursive query per chunk. Unknown turns are absent."""
+    query = _PATH_QUERIES[tuple(columns)]
+    conn = await session.connection()  # Core, not the ORM: this is a hot read path
+    found: dict[uuid.UUID, list[Any]] = defaultdict(list)
+    for chunk in chunks(turn_ids):
+        for row in await conn.execute(query, {"ids": list(chunk)}):
+            found[row.leaf_id].append(row)
+    return found

@@ -1,0 +1,69 @@
+"""Build a run's policy engine and chat template from its config.
+
+torch is imported only for the `local` engine, and only when a run starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from agentflow.errors import InvalidInput
+from agentflow.inference.base import Engine
+from agentflow.modeling import MODEL_INIT_FILE
+from agentflow.run_config import LocalEngineConfig, RunConfig, SGLangEngineConfig
+from agentflow.tokenization import load_tokenizer
+from agentflow.tokenization.bytes import ByteTokenizer
+from agentflow.tokenization.chat import ChatTemplate, chat_template_for
+
+
+def build_template(config: RunConfig) -> ChatTemplate:
+    """The checkpoint's own tokenizer and template, or the byte ones for a model this
+    project built (from `model.init`, or saved with its `ModelInit` beside the weights)."""
+    path = config.model.path
+    if not path or _built_here(Path(path)):
+        return chat_template_for(ByteTokenizer())
+    return chat_template_for(load_tokenizer(path))
+
+
+def _built_here(path: Path) -> bool:
+    init_file = path / MODEL_INIT_FILE
+    if not init_file.is_file():
+        return False
+    return json.loads(init_file.read_text()).get("tokenizer") == "bytes"
+
+
+def build_engine(config: RunConfig) -> tuple[Engine, int]:
+    """The run's policy engine and its context length."""
+    engine_config = config.engine
+    if isinstance(engine_config, LocalEngineConfig):
+        from agentflow.inference.local import LocalEngine
+
+        options = {
+            "max_batch_size": engine_config.max_batch_size,
+            "kv_budget_tokens": engine_config.kv_budget_tokens,
+            "device": engine_config.device,
+        }
+        if config.model.path:
+            local = LocalEngine.from_pretrained(config.model.path, **options)
+        else:
+            local = LocalEngine.from_init(config.model.init, seed=config.seed, **options)
+        return local, local.max_context
+    if isinstance(engine_config, SGLangEngineConfig):
+        from agentflow.inference.sglang import SGLangEngine, SGLangSettings
+
+        if not config.model.path:
+            raise InvalidInput(
+                "an sglang engine needs model.path (its tokenizer must match the server's)",
+                field=("body", "model", "path"),
+            )
+        urls = [str(u).rstrip("/") for u in engine_config.urls]
+        settings = SGLangSettings(
+            url=urls[0],
+            worker_urls=tuple(urls[1:]),
+            behind_router=len(urls) == 1 and engine_config.behind_router,
+            generate_timeout_s=engine_config.timeout_s,
+            resubmit_aborted=config.rollout.partial_rollout,
+        )
+        return SGLangEngine(settings), engine_config.max_context
+    raise InvalidInput(f"unknown engine type {engine_config!r}", field=("body", "engine"))

@@ -1,0 +1,78 @@
+"""A lean decode step for Llama-family models (Llama, Mistral, Qwen2) over the slot KV.
+
+Decoding small models on CPU is dominated by per-call overhead, not arithmetic: the HF
+forward spends more time in kwargs plumbing, decorators and dispatch than in its tiny
+matmuls. This step calls the very same modules (norms, projections, MLP, rotary,
+`lm_head`) in the same order with the same formulas, and only drops the plumbing, so it
+matches the HF forward to float rounding. Other architectures use the generic HF path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentflow.inference.kv_cache import SlotKV
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def supports(model: Any) -> bool:
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return False
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return False
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaDecodeStep:
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        self.model = model
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+
+    def __call__(
+        self, kv: SlotKV, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """Logits `[n, vocab]` for one token per row `[0, n)`; `mask` is `[n, 1, 1, kv_len]`."""
+        inner = self.model.model
+        n = ids.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        h = inner.embed_tokens(ids)  # [n, 1, hidden]
+        cos, sin = inner.rotary_emb(h, position_ids=pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [n, 1, 1, dim]
+        rows = torch.arange(n, device=ids.device)
+        at = pos[:, 0]
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, 1, heads, dim).transpose(1, 2)
+            k = attn.k_proj(x).view(n, 1, kv_heads, dim).transpose(1, 2)
+            v = attn.v_proj(x).view(n, 1, kv_heads, dim).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = kv.k[i], kv.v[i]
+            keys[rows, :, at] = k[:, :, 0].to(keys.dtype)
+            values[rows, :, at] = v[:, :, 0].to(values.dtype)
+            keys, values = keys[:n, :, :kv_len], values[:n, :, :kv_len]
+            scores = torch.matmul(q.reshape(n, kv_heads, group, dim), keys.transpose(-1, -2))
+            scores = scores.mul_(attn.scaling).add_(mask)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            out = torch.matmul(probs, values).reshape(n, 1, heads * dim)
+            h = h + attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = inner.norm(h)
+        return self.model.lm_head(h[:, -1]).float()

@@ -1,0 +1,428 @@
+"""A stand-in SGLang 0.5.23 server backed by any `Engine`, for tests and local runs.
+
+It speaks SGLang's HTTP API as a server started with `--skip-tokenizer-init` does (ids in,
+ids out) and is strict where SGLang is: an unknown `sampling_params` key is a 400. It is
+stricter on top-level `/generate` keys (unknown ones are a 400 too), to catch client typos
+that sglang-router would otherwise drop without a word. Features SGLang has but this
+worker does not (text input, streaming, batched input, penalties, grammars, NCCL weight
+updates) are refused with a 400 that says so, never faked. Backed by `LocalEngine`, the
+answers are real model output.
+
+Only `stop_token_ids` stop generation (the model's EOS is not implied, as with
+`ignore_eos`). Requests that arrive while generation is paused wait until it continues,
+as they do in SGLang's scheduler.
+
+Routes under `/mock/` are this worker's own: the request log tests use to see where the
+router sent what.
+
+Run: `python -m agentflow.inference.mock_sglang --port P --model-init '{"layers": 2}'`
+(or `--model-path DIR` for an HF-format directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from agentflow.errors import AgentFlowError, CapacityExceeded, EngineUnavailable
+from agentflow.inference.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    SamplingParams,
+    SessionRef,
+    WeightUpdate,
+)
+from agentflow.inference.mock_sglang_schema import (
+    GenerateBody,
+    OpenSessionBody,
+    Refusal,
+    UpdateFromDiskBody,
+    check_distributed_group,
+    check_distributed_update,
+    check_tensor_update,
+)
+
+SGLANG_VERSION = "0.5.23"
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+class WorkerState:
+    """What the server keeps besides the engine: pause gate, in-flight rids, request log."""
+
+    def __init__(self, engine: Engine, model_path: str | None, context_length: int | None):
+        self.engine = engine
+        self.model_path = model_path
+        self.context_length = context_length
+        self.running = asyncio.Event()
+        self.running.set()
+        self.in_flight: set[str] = set()
+        self.held: dict[str, asyncio.Event] = {}  # rid -> set when aborted while held
+        self.log: deque[dict[str, Any]] = deque(maxlen=10_000)  # recent /generate calls
+
+    async def hold_while_paused(self, rid: str) -> bool:
+        """Wait for continue; False when the request was aborted meanwhile."""
+        if self.running.is_set():
+            return True
+        aborted = self.held[rid] = asyncio.Event()
+        waiters = [
+            asyncio.ensure_future(self.running.wait()),
+            asyncio.ensure_future(aborted.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            return not aborted.is_set()
+        finally:
+            for task in waiters:
+                task.cancel()
+            self.held.pop(rid, None)
+
+
+def _meta(
+    result: GenerateResult, *, return_logprob: bool, max_new_tokens: int, version: int
+) -> dict[str, Any]:
+    """SGLang's meta_info; `version` is the engine's, reported when no token was made."""
+    reason: dict[str, Any]
+    if result.finish_reason == "stop":
+        reason = {"type": "stop", "matched": result.output_ids[-1] if result.output_ids else None}
+    elif result.finish_reason == "length":
+        reason = {"type": "length", "length": max_new_tokens}
+    else:
+        reason = {"type": "abort", "message": "Abort before or during generation."}
+    spans = sorted(result.weight_versions, key=lambda s: s.start)
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": result.cached_tokens,
+        "weight_version": str(spans[-1].version if spans else version),
+    }
+    if len(spans) > 1:
+        meta["weight_versions"] = [
+            {"version": str(s.version), "start": s.start, "end": s.end} for s in spans
+        ]
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
+        ]
+    return meta
+
+
+def _to_request(body: GenerateBody, routing_key: str | None) -> GenerateRequest:
+    sp = body.sampling_params
+    session = None
+    if body.session_params is not None:
+        session = SessionRef(
+            session_id=body.session_params.id,
+            parent_rid=body.session_params.rid,
+            offset=body.session_params.offset,
+        )
+    return GenerateRequest(
+        input_ids=tuple(body.input_ids),
+        sampling=SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            max_new_tokens=sp.max_new_tokens,
+            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            seed=sp.sampling_seed,
+        ),
+        rid=body.rid or uuid.uuid4().hex,
+        session=session,
+        routing_key=routing_key,
+    )
+
+
+def create_mock_worker(
+    engine: Engine,
+    *,
+    model_path: str | None = None,
+    context_length: int | None = None,
+    close_engine: bool = False,
+) -> FastAPI:
+    """The app; `model_path` is what `/model_info` reports (the router keys models by it).
+
+    Give a local directory: sglang-router 0.3.2 loads a tokenizer from the path it reads
+    there, and a name that is not a local directory makes it try a model hub.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_engine:
+            await engine.close()
+
+    app = FastAPI(title="mock SGLang worker", lifespan=lifespan)
+    state = WorkerState(engine, model_path, context_length)
+    app.state.worker = state
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise Refusal("body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Refusal("body must be a JSON object")
+        return body
+
+    @app.exception_handler(Refusal)
+    async def _refused(request: Request, exc: Refusal) -> JSONResponse:
+        return _error(str(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
+        return _error(str(exc))
+
+    @app.exception_handler(AgentFlowError)
+    async def _engine_error(request: Request, exc: AgentFlowError) -> JSONResponse:
+        # An engine that is down or full is a 503 (clients retry); a bad request is a 400.
+        if isinstance(exc, CapacityExceeded | EngineUnavailable):
+            return _error(exc.message, 503)
+        return _error(exc.message, 500 if exc.status_code >= 500 else 400)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> dict[str, Any]:
+        body = GenerateBody.parse(await json_body(request))
+        req = _to_request(body, request.headers.get("x-smg-routing-key"))
+        state.log.append(
+            {
+                "rid": req.rid,
+                "routing_key": req.routing_key,
+                "input_ids": list(req.input_ids),
+                "max_new_tokens": req.sampling.max_new_tokens,
+                "session_params": body.session_params.model_dump() if body.session_params else None,
+                "at": time.time(),
+            }
+        )
+        state.in_flight.add(req.rid)
+        try:
+            if await state.hold_while_paused(req.rid):
+                result = await engine.generate(req)
+            else:
+                result = GenerateResult(
+                    rid=req.rid,
+                    output_ids=[],
+                    logprobs=[],
+                    finish_reason="abort",
+                    weight_versions=[],
+                    prompt_tokens=len(req.input_ids),
+                )
+        finally:
+            state.in_flight.discard(req.rid)
+        return {
+            "output_ids": result.output_ids,
+            "meta_info": _meta(
+                result,
+                return_logprob=body.return_logprob,
+                max_new_tokens=req.sampling.max_new_tokens,
+                version=(await engine.info()).weight_version if not result.output_ids else 0,
+            ),
+        }
+
+    @app.post("/open_session")
+    async def open_session(request: Request) -> str:
+        body = OpenSessionBody.model_validate(await json_body(request))
+        return await engine.open_session(body.session_id)
+
+    @app.post("/close_session")
+    async def close_session(request: Request) -> None:
+        body = await json_body(request)
+        if not isinstance(body.get("session_id"), str):
+            raise Refusal("session_id (string) is required")
+        await engine.close_session(body["session_id"])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> None:
+        body = await json_body(request)
+        rids = list(state.in_flight) if body.get("abort_all") else [body.get("rid")]
+        for rid in rids:
+            if not isinstance(rid, str):
+                raise Refusal("rid (string) or abort_all is required")
+            if rid in state.held:
+                state.held[rid].set()
+            else:
+                await engine.abort(rid)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, str]:
+        body = await json_body(request)
+        try:
+            mode = PauseMode(body.get("mode", "abort"))
+        except ValueError:
+            raise Refusal(
+                f"mode must be abort, retract or in_place, not {body.get('mode')!r}"
+            ) from None
+        state.running.clear()
+        await engine.pause(mode)
+        return {"status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict[str, str]:
+        await engine.resume()
+        state.running.set()
+        return {"status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = UpdateFromDiskBody.model_validate(await json_body(request))
+        if body.abort_all_requests:
+            for rid in list(state.in_flight):
+                await engine.abort(rid)
+        version = body.version()
+        try:
+            got = await engine.update_weights(WeightUpdate(path=body.model_path, version=version))
+        except (AgentFlowError, ValueError, OSError) as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        state.model_path = body.model_path
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Succeeded to update model weights (version {got}).",
+                "num_paused_requests": 0,
+            }
+        )
+
+    def unsupported(route: str) -> JSONResponse:
+        return JSONResponse(
+            {"success": False, "message": f"{route}: this worker has no NCCL/CUDA IPC support"},
+            status_code=400,
+        )
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        check_distributed_group(await json_body(request))
+        return unsupported("/init_weights_update_group")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        check_distributed_update(await json_body(request))
+        return unsupported("/update_weights_from_distributed")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        check_tensor_update(await json_body(request))
+        return unsupported("/update_weights_from_tensor")
+
+    async def model_info() -> dict[str, Any]:
+        info = await engine.info()
+        return {
+            "model_path": state.model_path,
+            "tokenizer_path": state.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(info.weight_version),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    async def server_info() -> dict[str, Any]:
+        info = await engine.info()
+        return {
+            "model_path": state.model_path,
+            "context_length": state.context_length or info.max_context,
+            "skip_tokenizer_init": True,
+            "version": SGLANG_VERSION,
+        }
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> None:
+        await engine.info()
+
+    @app.get("/health_generate")
+    async def health_generate() -> None:
+        await state.running.wait()
+        await engine.generate(
+            GenerateRequest(input_ids=(0,), sampling=SamplingParams(max_new_tokens=1))
+        )
+
+    @app.get("/mock/requests")
+    async def mock_requests() -> list[dict[str, Any]]:
+        return list(state.log)
+
+    @app.get("/mock/state")
+    async def mock_state() -> dict[str, Any]:
+        info = await engine.info()
+        return {
+            "paused": not state.running.is_set(),
+            "in_flight": sorted(state.in_flight),
+            "held": sorted(state.held),
+            "engine": info.model_dump(),
+        }
+
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m agentflow.inference.mock_sglang",
+        description="Serve a LocalEngine behind SGLang 0.5.23's HTTP API.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-init", help="ModelInit as JSON: a small random-init model")
+    source.add_argument("--model-path", help="an HF-format model directory")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed for --model-init")
+    parser.add_argument(
+        "--save-dir",
+        help="with --model-init: save the initial weights here (default: a temporary "
+        "directory) and report it as model_path",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import uvicorn
+
+    from agentflow.inference.local import LocalEngine
+    from agentflow.modeling import ModelInit, save_model
+
+    with tempfile.TemporaryDirectory(prefix="mock-sglang-") as tmp:
+        if args.model_init is not None:
+            engine = LocalEngine.from_init(
+                ModelInit.model_validate_json(args.model_init),
+                seed=args.seed,
+                max_batch_size=args.max_batch_size,
+            )
+            # Report a real local directory: the router reads model_path to find a
+            # tokenizer, and anything else sends it to a model hub.
+            model_path = str(save_model(engine.model, args.save_dir or tmp))
+        else:
+            engine = LocalEngine.from_pretrained(
+                args.model_path, max_batch_size=args.max_batch_size
+            )
+            model_path = args.model_path
+        app = create_mock_worker(engine, model_path=model_path, close_engine=True)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        await uvicorn.Server(config).serve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(_serve(_parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

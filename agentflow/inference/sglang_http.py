@@ -1,0 +1,112 @@
+"""One HTTP call to an SGLang server or router, with the project's retry rule.
+
+Retry only the transient: transport errors (refused connection, reset, per-attempt timeout)
+and 5xx answers are retried with exponential backoff; a 4xx answer means the server refused
+this request and is raised at once as `EngineRequestError`. Each attempt has its own
+wall-clock limit, because httpx's timeouts bound each read, not the whole exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentflow.errors import EngineError, EngineRequestError, EngineUnavailable
+
+
+class RetryPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_attempts: int = Field(default=4, ge=1, description="attempts per call, first included")
+    backoff_s: float = Field(default=0.2, ge=0.0, description="sleep before the 2nd attempt")
+    backoff_max_s: float = Field(default=5.0, ge=0.0, description="cap on one sleep")
+    connect_timeout_s: float = Field(default=5.0, gt=0.0)
+
+    def delay(self, attempt: int) -> float:
+        """Sleep after failed attempt number `attempt` (1-based)."""
+        return float(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
+
+
+def _detail(resp: httpx.Response) -> str:
+    """The server's own words, whatever shape SGLang or the router used for them."""
+    try:
+        body = resp.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return resp.text[:500]
+    if isinstance(body, dict):
+        for key in ("error", "message", "detail"):
+            value = body.get(key)
+            if isinstance(value, dict) and "message" in value:
+                return str(value["message"])[:500]
+            if value:
+                return str(value)[:500]
+    return str(body)[:500]
+
+
+async def call(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    policy: RetryPolicy,
+    timeout_s: float,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    retry: bool = True,
+    before_retry: Callable[[], Awaitable[object]] | None = None,
+) -> Any:
+    """Send one request; return the decoded JSON answer (or text when it is not JSON).
+
+    `before_retry` runs before each new attempt (e.g. to free a rid the server may still
+    be working on); its errors are ignored, the retry goes ahead.
+    """
+    attempts = policy.max_attempts if retry else 1
+    timeout = httpx.Timeout(timeout_s, connect=min(policy.connect_timeout_s, timeout_s))
+    last = "no attempt made"
+    for attempt in range(1, attempts + 1):
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await client.request(
+                    method, url, json=body, headers=headers, timeout=timeout
+                )
+        except (httpx.TransportError, TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        else:
+            if resp.status_code < 400:
+                if not resp.content:
+                    return None
+                try:
+                    return resp.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return resp.text
+            if resp.status_code < 500:
+                raise EngineRequestError(
+                    f"{method} {url} refused with HTTP {resp.status_code}: {_detail(resp)}"
+                )
+            last = f"HTTP {resp.status_code}: {_detail(resp)}"
+        if attempt < attempts:
+            await asyncio.sleep(policy.delay(attempt))
+            if before_retry is not None:
+                with contextlib.suppress(Exception):
+                    await before_retry()
+    raise EngineUnavailable(f"{method} {url} failed after {attempts} attempt(s): {last}")
+
+
+def expect_dict(answer: Any, what: str) -> dict[str, Any]:
+    if not isinstance(answer, dict):
+        raise EngineError(f"{what}: expected a JSON object, got {type(answer).__name__}")
+    return answer
+
+
+def expect_success(answer: Any, what: str) -> dict[str, Any]:
+    """SGLang's weight routes answer `{success, message}`; success false is a refusal."""
+    body = expect_dict(answer, what)
+    if body.get("success") is False:
+        raise EngineRequestError(f"{what} failed: {body.get('message', '')}")
+    return body

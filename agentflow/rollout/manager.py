@@ -1,0 +1,162 @@
+"""`RunManager`: the gateway's live runs, their engines, and recovery after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from datetime import UTC, datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from agentflow.agents.base import Agent
+from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
+from agentflow.agents.whitebox import WhiteBoxAgent
+from agentflow.config import Settings
+from agentflow.db.models import Episode, Run
+from agentflow.errors import Conflict, InvalidInput
+from agentflow.inference.base import SamplingParams
+from agentflow.metrics import GatewayMetrics
+from agentflow.rollout.envs import resolve_env_sources
+from agentflow.rollout.executor import RunExecutor
+from agentflow.run_config import RunConfig
+from agentflow.types import OPEN_EPISODE_STATUSES
+
+log = logging.getLogger(__name__)
+
+RESTART_REASON = "the gateway restarted while the episode was live; its env session is gone"
+
+
+class RunManager:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        runtimes: RuntimeRegistry,
+        settings: Settings,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.metrics = metrics
+        self.runtimes = runtimes
+        self.settings = settings
+        self.executors: dict[uuid.UUID, RunExecutor] = {}
+        self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
+
+    async def start(self, run_id: uuid.UUID, config: RunConfig, *, paused: bool = False) -> None:
+        """Build the run's engine and start admitting episodes."""
+        if run_id in self.executors:
+            raise Conflict(f"run {run_id} is already live")
+        sources = await resolve_env_sources(self.sessions, config.envs)
+        runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
+        self.runtimes.register(run_id, runtime)
+        executor = RunExecutor(
+            run_id,
+            config,
+            sessions=self.sessions,
+            runtime=runtime,
+            sources=sources,
+            agent=self._agent(config),
+            gateway_url=self.settings.public_url,
+            secret_key=self.settings.secret_key,
+            on_finish=self._finished,
+        )
+        self.executors[run_id] = executor
+        await executor.start(paused=paused)
+
+    def _agent(self, config: RunConfig) -> Agent:
+        if config.agent.type == "whitebox":
+            return WhiteBoxAgent(
+                park_after_s=config.rollout.park_after_s,
+                system_prompt=config.agent.system_prompt,
+                metrics=self.metrics,
+            )
+        raise InvalidInput(
+            f"agent type {config.agent.type!r} is not runnable by the gateway yet",
+            field=("body", "agent", "type"),
+        )
+
+    async def live(self, run_id: uuid.UUID) -> RunExecutor:
+        """The run's executor, waiting for it if the run is restarting after a crash."""
+        restart = self._restarting.get(run_id)
+        if restart is not None:
+            await asyncio.shield(restart)
+        executor = self.executors.get(run_id)
+        if executor is None:
+            raise Conflict(f"run {run_id} is not live in this gateway")
+        return executor
+
+    async def _finished(self, executor: RunExecutor) -> None:
+        self.executors.pop(executor.run_id, None)
+        runtime = self.runtimes.remove(executor.run_id)
+        if runtime is not None:
+            with contextlib.suppress(Exception):
+                await runtime.engine.close()
+
+    async def recover(self) -> None:
+        """After a crash: no episode stays live; runs that were live start again."""
+        now = _now()
+        async with self.sessions.begin() as session:
+            result = await session.execute(
+                update(Episode)
+                .where(Episode.status.in_(OPEN_EPISODE_STATUSES))
+                .values(status="aborted", error=RESTART_REASON, finished_at=now)
+            )
+            aborted = getattr(result, "rowcount", 0)
+            runs = (
+                await session.execute(
+                    select(Run.id, Run.config, Run.status).where(
+                        Run.status.in_(("running", "paused"))
+                    )
+                )
+            ).all()
+        if aborted:
+            log.warning("recovery: aborted %d live episodes", aborted)
+        for run_id, config, status in runs:
+            # In the background: the gateway serves while engines load.
+            restart = asyncio.create_task(self._restart(run_id, config, status == "paused"))
+            self._restarting[run_id] = restart
+            restart.add_done_callback(lambda _, key=run_id: self._restarting.pop(key, None))
+
+    async def _restart(self, run_id: uuid.UUID, config: dict[str, object], paused: bool) -> None:
+        try:
+            await self.start(run_id, RunConfig.model_validate(config), paused=paused)
+        except Exception as exc:  # noqa: BLE001 - that run fails, the gateway serves on
+            log.exception("recovery: run %s could not restart", run_id)
+            async with self.sessions.begin() as session:
+                await session.execute(
+                    update(Run)
+                    .where(Run.id == run_id)
+                    .values(status="failed", error=f"restart failed: {exc}", updated_at=_now())
+                )
+
+    async def shutdown(self) -> None:
+        """Stop admitting and abort live episodes; runs keep their status for a restart."""
+        restarts = list(self._restarting.values())
+        for restart in restarts:
+            restart.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
+        for executor in list(self.executors.values()):
+            await executor.halt("the gateway shut down")
+        for run_id, runtime in self.runtimes.items():
+            self.runtimes.remove(run_id)
+            with contextlib.suppress(Exception):
+                await runtime.engine.close()
+
+
+def _build_runtime(config: RunConfig) -> PolicyRuntime:
+    from agentflow.inference.factory import build_engine, build_template
+
+    template = build_template(config)
+    engine, max_context = build_engine(config)
+    sampling = SamplingParams(
+        temperature=config.agent.temperature,
+        max_new_tokens=config.agent.max_new_tokens,
+        stop_token_ids=template.stop_ids,
+    )
+    return PolicyRuntime(engine, template, config.name, sampling, max_context)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

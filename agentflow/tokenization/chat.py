@@ -1,0 +1,291 @@
+"""Chat templates rendered straight to token ids, with every message's boundaries known.
+
+A trajectory is built by appending: the prompt, then the tokens the model generated, then
+the env's observation as a *token delta*, and so on. History is never re-rendered or
+re-tokenized, so what the trainer sees is exactly what the engine saw. Two templates:
+
+- `ByteChatTemplate` for the project's byte tokenizer:
+  `<|bos|><|system|>...<|end|><|user|>...<|end|><|assistant|>` and the assistant stops
+  on `<|end|>`; tool calls use the project's own markers.
+- `HFChatTemplate` for checkpoints with a Jinja chat template: each message's text is the
+  difference between renderings of growing prefixes of the conversation, tokenized on its
+  own; a delta after a generated turn adds what the template puts after the end-of-turn
+  token (e.g. ChatML's newline). Tool calls use the Hermes/Qwen format.
+
+Messages are OpenAI-shaped mappings: `role`, `content`, optional `tool_calls`, `name`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from agentflow.errors import InvalidInput
+from agentflow.tokenization.base import Tokenizer
+from agentflow.tokenization.bytes import ByteTokenizer
+from agentflow.tokenization.hf import HFTokenizer
+from agentflow.tokenization.tool_calls import (
+    ParsedAssistant,
+    ToolCallStyle,
+    parse_tool_calls,
+    render_tool_call,
+)
+
+Message = Mapping[str, Any]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class MessageSpan(BaseModel):
+    """Message `index` (of the rendered list) is `token_ids[start:end]`."""
+
+    index: int
+    role: str
+    start: int
+    end: int
+
+
+class RenderedChat(BaseModel):
+    token_ids: list[int]
+    spans: list[MessageSpan]
+    generation_prompt: int = 0  # trailing tokens that open the assistant's turn
+
+
+class ChatTemplate(Protocol):
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end an assistant turn (pass them as `stop_token_ids`)."""
+        ...
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat: ...
+
+    def render_delta(
+        self,
+        messages: Sequence[Message],
+        *,
+        after: Sequence[int] = (),
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        """Tokens to append after an assistant turn whose generated ids were `after`."""
+        ...
+
+    def parse_assistant(self, output_ids: Sequence[int]) -> ParsedAssistant: ...
+
+
+def _check(messages: Sequence[Message]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidInput(f"message {i} is not an object", field=("messages", str(i)))
+        if m.get("role") not in ROLES:
+            raise InvalidInput(
+                f"message {i} has role {m.get('role')!r}; expected one of {ROLES}",
+                field=("messages", str(i), "role"),
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise InvalidInput(
+                f"message {i} content must be a string", field=("messages", str(i), "content")
+            )
+
+
+class ByteChatTemplate:
+    tool_call_style: ToolCallStyle = "agentflow"
+
+    def __init__(self, tokenizer: ByteTokenizer | None = None, *, add_bos: bool = True) -> None:
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.add_bos = add_bos
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.end_id, self.tokenizer.eos_id)
+
+    def _message_ids(
+        self, m: Message, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        tok = self.tokenizer
+        text = m.get("content") or ""
+        if tools:
+            schemas = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+            text = f"{text}\n\n# Tools\n{schemas}" if text else f"# Tools\n{schemas}"
+        ids = [tok.role_id(m["role"]), *tok.encode(text)]
+        for call in m.get("tool_calls") or ():
+            ids += tok.encode(render_tool_call(call, "agentflow"), allow_special=True)
+        ids.append(tok.end_id)
+        return ids
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        _check(messages)
+        msgs = list(messages)
+        if tools and (not msgs or msgs[0]["role"] != "system"):
+            msgs.insert(0, {"role": "system", "content": ""})
+        ids = [self.tokenizer.bos_id] if self.add_bos else []
+        spans = []
+        for i, m in enumerate(msgs):
+            start = len(ids)
+            ids += self._message_ids(m, tools if i == 0 and tools else None)
+            spans.append(MessageSpan(index=i, role=m["role"], start=start, end=len(ids)))
+        gen = [self.tokenizer.role_id("assistant")] if add_generation_prompt else []
+        return RenderedChat(token_ids=ids + gen, spans=spans, generation_prompt=len(gen))
+
+    def render_delta(
+        self,
+        messages: Sequence[Message],
+        *,
+        after: Sequence[int] = (),
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        _check(messages)
+        # A turn cut by the length limit has no end marker yet: close it first.
+        ids = [self.tokenizer.end_id] if after and after[-1] not in self.stop_ids else []
+        spans = []
+        for i, m in enumerate(messages):
+            start = len(ids)
+            ids += self._message_ids(m)
+            spans.append(MessageSpan(index=i, role=m["role"], start=start, end=len(ids)))
+        gen = [self.tokenizer.role_id("assistant")] if add_generation_prompt else []
+        return RenderedChat(token_ids=ids + gen, spans=spans, generation_prompt=len(gen))
+
+    def parse_assistant(self, output_ids: Sequence[int]) -> ParsedAssistant:
+        ids = list(output_ids)
+        while ids and ids[-1] in self.stop_ids:
+            ids.pop()
+        return parse_tool_calls(self.tokenizer.decode(ids), "agentflow")
+
+
+class HFChatTemplate:
+    tool_call_style: ToolCallStyle = "hermes"
+
+    # A fixed two-message conversation whose rendering locates the text the template puts
+    # after an assistant's end-of-turn token.
+    _PROBE: tuple[Message, ...] = (
+        {"role": "user", "content": "ping"},
+        {"role": "assistant", "content": "pong"},
+    )
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        if not tokenizer.chat_template:
+            raise InvalidInput("the tokenizer has no chat template", field="tokenizer")
+        self.tokenizer = tokenizer
+        self._stop = tokenizer.end_of_turn_ids()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop
+
+    def _text(self, messages: Sequence[Message], tools: Any = None, gen: bool = False) -> str:
+        return str(
+            self.tokenizer.hf.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=gen,
+            )
+        )
+
+    def _pieces(
+        self, base: Sequence[Message], new: Sequence[Message], tools: Any, prefix: str
+    ) -> tuple[list[int], list[MessageSpan]]:
+        """Token ids of `new` rendered after `base` (whose text is `prefix`), per message.
+
+        A message ends where the rendering of the conversation up to it stops agreeing
+        with the full rendering: templates that merge neighbours (Qwen groups consecutive
+        tool results in one turn) still split cleanly, and the ids are always exactly
+        the full text's pieces.
+        """
+        full = self._text([*base, *new], tools)
+        if not full.startswith(prefix):
+            raise InvalidInput(
+                "the chat template re-renders earlier messages when one is appended; "
+                "token deltas need renderings that extend each other",
+                field="messages",
+            )
+        ids: list[int] = []
+        spans: list[MessageSpan] = []
+        prev = len(prefix)
+        for i in range(len(new)):
+            if i == len(new) - 1:
+                end = len(full)
+            else:
+                text = self._text([*base, *new[: i + 1]], tools)
+                end = max(prev, len(os.path.commonprefix([text, full])))
+            start = len(ids)
+            ids += self.tokenizer.encode(full[prev:end], allow_special=True)
+            spans.append(MessageSpan(index=i, role=new[i]["role"], start=start, end=len(ids)))
+            prev = end
+        return ids, spans
+
+    def _generation_prompt(self, messages: Sequence[Message], tools: Any) -> list[int]:
+        plain, gen = self._text(messages, tools), self._text(messages, tools, gen=True)
+        if not gen.startswith(plain):
+            raise InvalidInput("the chat template's generation prompt rewrites the history")
+        return self.tokenizer.encode(gen[len(plain) :], allow_special=True)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        _check(messages)
+        ids, spans = self._pieces([], messages, tools, "")
+        gen = self._generation_prompt(messages, tools) if add_generation_prompt else []
+        return RenderedChat(token_ids=ids + gen, spans=spans, generation_prompt=len(gen))
+
+    def render_delta(
+        self,
+        messages: Sequence[Message],
+        *,
+        after: Sequence[int] = (),
+        add_generation_prompt: bool = True,
+    ) -> RenderedChat:
+        _check(messages)
+        probe = self._text(self._PROBE)
+        close: list[int] = []
+        if after:
+            eot = self.tokenizer.decode([self._stop[-1]])
+            cut = probe.rfind(eot)
+            tail = probe[cut + len(eot) :] if cut >= 0 else ""
+            ended = after[-1] in self._stop
+            close = self.tokenizer.encode(("" if ended else eot) + tail, allow_special=True)
+        ids, spans = self._pieces(self._PROBE, messages, None, probe)
+        for s in spans:
+            s.start += len(close)
+            s.end += len(close)
+        gen: list[int] = []
+        if add_generation_prompt:
+            gen = self._generation_prompt([*self._PROBE, *messages], None)
+        return RenderedChat(token_ids=close + ids + gen, spans=spans, generation_prompt=len(gen))
+
+    def parse_assistant(self, output_ids: Sequence[int]) -> ParsedAssistant:
+        ids = list(output_ids)
+        while ids and ids[-1] in self._stop:
+            ids.pop()
+        return parse_tool_calls(self.tokenizer.decode(ids, skip_special=False), "hermes")
+
+
+def chat_template_for(tokenizer: Tokenizer) -> ChatTemplate:
+    """The template that goes with `tokenizer`."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteChatTemplate(tokenizer)
+    if isinstance(tokenizer, HFTokenizer):
+        return HFChatTemplate(tokenizer)
+    raise InvalidInput(f"no chat template for {type(tokenizer).__name__}", field="tokenizer")

@@ -1,0 +1,304 @@
+"""Shared value types of the turn-tree data model (DESIGN §3), free of any database or web code.
+
+A `TurnRecord` is what a rollout hands the store: one segment of tokens appended to its
+parent's context. It validates itself on construction, so an invalid record never exists.
+`NewTurn` places a record in a tree (episode, parent, id) for batch writes.
+What the store hands back:
+
+    StoredTurn      one persisted turn (flat)
+     └── TurnNode   the same, with its children: a node of an `EpisodeTree`
+    EpisodeInfo     an episode's row
+     └── EpisodeTree   the same, with its turn forest and its trajectories (`TrajectoryRef`)
+    Context         the full token context of a turn: the segments root → turn, concatenated
+    Trajectory      a completed path (root → leaf) with its reward, ready for the trainer
+
+Per-token conventions in a `Context` / `Trajectory`, for tokens of non-policy turns
+(prompt, env, tool), which the model did not sample:
+    logprob 0.0 (a NaN-free placeholder: sums and JSON stay valid; the loss mask is 0 there),
+    weight version -1 (`NO_VERSION`), loss mask 0.
+Log-probs are kept at float32 precision: a stored value comes back as `float(np.float32(x))`.
+
+All types are frozen dataclasses of plain values (tuples, dicts, UUIDs, datetimes), so the
+API can serialize them directly and they are safe to share between tasks.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from agentflow.errors import InvalidInput
+
+TurnKind = Literal["prompt", "policy", "env", "tool"]
+TURN_KINDS: frozenset[str] = frozenset(get_args(TurnKind))
+
+EpisodeStatus = Literal["pending", "running", "completed", "truncated", "failed", "aborted"]
+OPEN_EPISODE_STATUSES: frozenset[str] = frozenset({"pending", "running"})
+FINAL_EPISODE_STATUSES: frozenset[str] = frozenset({"completed", "truncated", "failed", "aborted"})
+# Only these produce trajectories; a failed or aborted episode is never trained on.
+TRAINABLE_EPISODE_STATUSES: frozenset[str] = frozenset({"completed", "truncated"})
+
+TrajectoryStatus = Literal["ready", "leased", "consumed"]
+
+NO_VERSION = -1  # weight version of a token the policy did not sample
+NON_POLICY_LOGPROB = 0.0  # placeholder log-prob of such a token (its loss mask is 0)
+
+_INT32_MAX = 2**31 - 1
+_MAX_FINISH_REASON = 16  # the column width
+
+
+def _int_array(values: Sequence[int], name: str, *, low: int) -> np.ndarray:
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{name} must be a flat list of integers", field=name) from exc
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidInput(f"{name} must be a flat list of integers", field=name)
+    if arr.size and (int(arr.min()) < low or int(arr.max()) > _INT32_MAX):
+        raise InvalidInput(f"{name} must lie in [{low}, {_INT32_MAX}]", field=name)
+    return arr
+
+
+def _float_array(values: Sequence[float], name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{name} must be a flat list of numbers", field=name) from exc
+    if arr.ndim != 1:
+        raise InvalidInput(f"{name} must be a flat list of numbers", field=name)
+    # Stored as float32: a value that overflows float32 is as bad as a NaN.
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(arr.astype(np.float32)).all())
+    if not finite:
+        raise InvalidInput(f"{name} must be finite float32 values", field=name)
+    return arr
+
+
+def _check_length(name: str, got: int, want: int) -> None:
+    if got != want:
+        raise InvalidInput(f"{name} has {got} entries but the turn has {want} tokens", field=name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnRecord:
+    """One segment appended to the parent's context, exactly as the engine or env produced it.
+
+    Policy turns carry one log-prob and one weight version per token; other kinds carry
+    neither. `loss_mask` defaults to all 1 for policy turns and all 0 otherwise; a 1 is
+    only allowed where there is a log-prob (a policy token). Sequences are normalized to
+    tuples of Python ints/floats.
+    """
+
+    kind: TurnKind
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    weight_versions: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
+    text: str | None = None
+    reward: float | None = None
+    finish_reason: str | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in TURN_KINDS:
+            raise InvalidInput(
+                f"kind must be one of {sorted(TURN_KINDS)}, got {self.kind!r}", field="kind"
+            )
+        tokens = _int_array(self.token_ids, "token_ids", low=0)
+        n = int(tokens.size)
+        set_ = object.__setattr__  # frozen: normalize once, here
+        set_(self, "token_ids", tuple(tokens.tolist()))
+
+        if self.kind == "policy":
+            if self.logprobs is None or self.weight_versions is None:
+                raise InvalidInput(
+                    "a policy turn needs logprobs and weight_versions",
+                    field="logprobs" if self.logprobs is None else "weight_versions",
+                )
+            lp = _float_array(self.logprobs, "logprobs")
+            _check_length("logprobs", int(lp.size), n)
+            versions = _int_array(self.weight_versions, "weight_versions", low=0)
+            _check_length("weight_versions", int(versions.size), n)
+            set_(self, "logprobs", tuple(lp.tolist()))
+            set_(self, "weight_versions", tuple(versions.tolist()))
+        else:
+            for name in ("logprobs", "weight_versions"):
+                if getattr(self, name) is not None:
+                    raise InvalidInput(f"only policy turns carry {name}", field=name)
+
+        if self.loss_mask is None:
+            set_(self, "loss_mask", (1 if self.kind == "policy" else 0,) * n)
+        else:
+            mask = _int_array(self.loss_mask, "loss_mask", low=0)
+            _check_length("loss_mask", int(mask.size), n)
+            if mask.size and int(mask.max()) > 1:
+                raise InvalidInput("loss_mask entries must be 0 or 1", field="loss_mask")
+            if self.kind != "policy" and mask.any():
+                raise InvalidInput(
+                    "loss_mask may be 1 only on policy tokens (they alone have log-probs)",
+                    field="loss_mask",
+                )
+            set_(self, "loss_mask", tuple(mask.tolist()))
+
+        if self.text is not None and "\x00" in self.text:
+            # PostgreSQL text cannot hold NUL; refuse it everywhere so both stores agree.
+            raise InvalidInput("text must not contain NUL characters", field="text")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise InvalidInput("reward must be finite", field="reward")
+        if self.finish_reason is not None and not (
+            0 < len(self.finish_reason) <= _MAX_FINISH_REASON
+        ):
+            raise InvalidInput(
+                f"finish_reason must have 1-{_MAX_FINISH_REASON} characters", field="finish_reason"
+            )
+        for key, value in self.timings.items():
+            if not isinstance(key, str) or isinstance(value, bool):
+                raise InvalidInput("timings maps names to seconds", field="timings")
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise InvalidInput(f"timing {key!r} must be finite seconds >= 0", field="timings")
+        set_(self, "timings", dict(self.timings))
+
+
+Segment = TurnRecord  # DESIGN §3 speaks of a turn's "segment"; both names mean this type
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewTurn:
+    """A turn to write with `TurnTree.add_turns`; `id` is chosen here so that children in the
+    same batch can name their parent before anything reaches the database."""
+
+    episode_id: uuid.UUID
+    parent_id: uuid.UUID | None
+    record: TurnRecord
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredTurn:
+    """A persisted turn. `logprobs`/`weight_versions` are None for non-policy turns."""
+
+    id: uuid.UUID
+    episode_id: uuid.UUID
+    parent_id: uuid.UUID | None
+    depth: int  # 0 for a root
+    kind: TurnKind
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    weight_versions: tuple[int, ...] | None
+    loss_mask: tuple[int, ...]
+    text: str | None
+    reward: float | None
+    finish_reason: str | None
+    timings: dict[str, Any]
+    created_at: datetime
+
+    def record(self) -> TurnRecord:
+        """The segment as it was written."""
+        return TurnRecord(
+            kind=self.kind,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            weight_versions=self.weight_versions,
+            loss_mask=self.loss_mask,
+            text=self.text,
+            reward=self.reward,
+            finish_reason=self.finish_reason,
+            timings=self.timings,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnNode(StoredTurn):
+    """A turn with its children (branches), oldest first."""
+
+    children: tuple[TurnNode, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrajectoryRef:
+    """A trajectory as listed under its episode (tokens left out)."""
+
+    id: uuid.UUID
+    leaf_turn_id: uuid.UUID
+    reward: float | None
+    status: TrajectoryStatus
+    min_weight_version: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeInfo:
+    id: uuid.UUID
+    run_id: uuid.UUID | None
+    environment_id: uuid.UUID | None
+    env_ref: str
+    task: dict[str, Any]
+    group_id: str | None
+    status: EpisodeStatus
+    reward: float | None
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeTree(EpisodeInfo):
+    """An episode with its whole turn forest (usually one root: the prompt)."""
+
+    roots: tuple[TurnNode, ...]
+    trajectories: tuple[TrajectoryRef, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    """Everything on the path root → turn, concatenated; one entry per token.
+
+    `turn_ids[i]`'s segment starts at token `turn_starts[i]`. Non-policy tokens have
+    logprob 0.0, weight version -1 and loss mask 0 (see the module docstring).
+    """
+
+    turn_ids: tuple[uuid.UUID, ...]
+    turn_starts: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    loss_mask: tuple[int, ...]
+    weight_versions: tuple[int, ...]
+
+    @property
+    def min_weight_version(self) -> int | None:
+        """The oldest weight version that produced a token here; None without policy tokens."""
+        sampled = [v for v in self.weight_versions if v != NO_VERSION]
+        return min(sampled) if sampled else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Trajectory:
+    """A completed root → leaf path with its reward, exactly as the engine saw and produced it."""
+
+    id: uuid.UUID
+    run_id: uuid.UUID | None
+    episode_id: uuid.UUID
+    group_id: str | None
+    leaf_turn_id: uuid.UUID
+    reward: float | None
+    status: TrajectoryStatus
+    times_served: int
+    min_weight_version: int | None
+    created_at: datetime
+    turn_ids: tuple[uuid.UUID, ...]
+    turn_starts: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    loss_mask: tuple[int, ...]
+    weight_versions: tuple[int, ...]
+
+    def staleness(self, current_version: int) -> int | None:
+        """`current_version - min(token versions)` (DESIGN §6); None without policy tokens."""
+        if self.min_weight_version is None:
+            return None
+        return current_version - self.min_weight_version

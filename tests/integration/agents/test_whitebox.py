@@ -1,0 +1,110 @@
+"""White-box episodes on the real LocalEngine: the record is exactly what the engine saw."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from agentflow.agents.base import Budget, EpisodeHandle
+from agentflow.agents.runtime import PolicyRuntime
+from agentflow.agents.whitebox import WhiteBoxAgent
+from agentflow.db.turn_tree import TurnTree
+from agentflow.types import StoredTurn
+from envs import registry
+from tests.integration.rollout.scripted_envs import SlowEnv
+
+pytestmark = pytest.mark.integration
+
+
+BUILTIN = sorted(e for e in registry.registered() if e.startswith("agentflow/"))
+
+
+@pytest.mark.parametrize("env_id", BUILTIN)
+async def test_persisted_tokens_are_what_the_engine_saw(
+    env_id: str,
+    runtime: PolicyRuntime,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    turns = TurnTree(sessions)
+    episode_id = await turns.create_episode(env_ref=env_id, task={"seed": 3})
+    env = registry.make(env_id)
+    handle = EpisodeHandle(
+        episode_id=episode_id,
+        run_id=None,
+        env=env,
+        runtime=runtime,
+        turns=turns,
+        task={"seed": 3},
+        budget=Budget(max_turns=3, max_tokens=1000),
+    )
+    try:
+        outcome = await WhiteBoxAgent(park_after_s=None).run(handle)
+    finally:
+        await env.close()
+    assert outcome.status in ("completed", "truncated"), outcome
+
+    engine = runtime.engine
+    assert len(engine.order) >= 1  # type: ignore[attr-defined]
+    tree = await turns.episode_tree(episode_id)
+    (root,) = tree.roots
+    node, policy_turns = root, []
+    while node.children:
+        (node,) = node.children  # one path: the loop never branches
+        if node.kind == "policy":
+            policy_turns.append(node)
+    assert len(policy_turns) == len(engine.order)  # type: ignore[attr-defined]
+    for stored, rid in zip(policy_turns, engine.order, strict=True):  # type: ignore[attr-defined]
+        result = engine.results[rid]  # type: ignore[attr-defined]
+        context = await turns.context(stored.id)
+        seen = engine.contexts[rid]  # type: ignore[attr-defined]
+        assert list(context.token_ids) == seen + result.output_ids
+        assert list(stored.token_ids) == result.output_ids
+        assert stored.logprobs == pytest.approx(result.logprobs, abs=0, rel=1e-6)
+        assert list(stored.weight_versions or ()) == result.token_versions()
+        assert set(stored.timings) == {"queue", "generate"}
+
+
+async def _play(
+    runtime: PolicyRuntime, turns: TurnTree, park_after_s: float | None
+) -> tuple[list[StoredTurn], list[StoredTurn]]:
+    episode_id = await turns.create_episode(env_ref="test/Slow-v0")
+    env = SlowEnv(delay=0.25, steps=3)
+    handle = EpisodeHandle(
+        episode_id=episode_id,
+        run_id=None,
+        env=env,
+        runtime=runtime,
+        turns=turns,
+        budget=Budget(max_turns=3, max_tokens=1000),
+    )
+    outcome = await WhiteBoxAgent(park_after_s=park_after_s).run(handle)
+    assert outcome.status == "completed" and outcome.reward == 1.0
+    tree = await turns.episode_tree(episode_id)
+    path, node = [], tree.roots[0]
+    while node.children:
+        (node,) = node.children
+        path.append(node)
+    return [t for t in path if t.kind == "policy"], [t for t in path if t.kind == "env"]
+
+
+async def test_parked_session_resumes_with_the_right_context(
+    runtime: PolicyRuntime, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    turns = TurnTree(sessions)
+    engine = runtime.engine
+    policy, env_turns = await _play(runtime, turns, park_after_s=0.02)
+    rids = engine.order[-len(policy) :]  # type: ignore[attr-defined]
+    for stored, rid in zip(policy, rids, strict=True):
+        context = await turns.context(stored.id)
+        # Parked: the KV was released, so each later turn recomputed its whole context.
+        assert list(context.token_ids) == (
+            engine.contexts[rid] + engine.results[rid].output_ids  # type: ignore[attr-defined]
+        )
+    later = [engine.results[rid] for rid in rids[1:]]  # type: ignore[attr-defined]
+    assert later and all(r.cached_tokens == 0 for r in later)
+    assert all(t.timings["parked"] > 0 for t in env_turns[:-1])
+
+    # Not parked: the session's KV is reused for the next turn.
+    await _play(runtime, turns, park_after_s=None)
+    reused = [engine.results[rid] for rid in engine.order[-2:]]  # type: ignore[attr-defined]
+    assert all(r.cached_tokens > 0 for r in reused)

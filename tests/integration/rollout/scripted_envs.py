@@ -1,0 +1,50 @@
+"""Small envs for executor tests: slow, failing, and ones that count their concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+from envs.base import Action, Message, Observation, StepResult
+
+
+class SlowEnv:
+    """Answers every step after `delay` seconds; ends after `steps` steps with reward 1."""
+
+    live: ClassVar[int] = 0
+    peak: ClassVar[int] = 0
+
+    def __init__(self, delay: float = 0.05, steps: int = 2) -> None:
+        self.delay, self.steps, self.taken, self.closed = delay, steps, 0, False
+        SlowEnv.live += 1
+        SlowEnv.peak = max(SlowEnv.peak, SlowEnv.live)
+
+    async def reset(self, seed: int | None = None, options: Any = None) -> StepResult:
+        return StepResult(observation=Observation(messages=[Message(role="user", content="go")]))
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        await asyncio.sleep(self.delay)
+        self.taken += 1
+        done = self.taken >= self.steps
+        reply = Message(role="user", content="again" if not done else "done")
+        return StepResult(
+            observation=Observation(messages=[reply]), reward=1.0 if done else 0.0, terminated=done
+        )
+
+    async def state(self) -> dict[str, Any]:
+        return {"taken": self.taken}
+
+    def tools(self) -> list[dict[str, Any]]:
+        return []
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            SlowEnv.live -= 1
+
+
+class BrokenEnv(SlowEnv):
+    """Raises inside step, as a buggy env would."""
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        raise RuntimeError("the env crashed")

@@ -1,0 +1,190 @@
+"""Runs started through the API play real episodes on the LocalEngine and end cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import update
+
+from agentflow.api.app import create_app
+from agentflow.client import AsyncClient
+from agentflow.config import Settings
+from agentflow.db.models import Episode, Run
+from agentflow.db.session import create_engine
+from envs import registry
+from tests.integration.rollout.scripted_envs import BrokenEnv, SlowEnv
+
+pytestmark = pytest.mark.integration
+
+TINY_MODEL = {"init": {"layers": 2, "hidden": 64, "heads": 2, "max_context": 512}}
+LIVE = ("pending", "running")
+
+
+@pytest.fixture(autouse=True)
+def scripted_envs() -> Iterator[None]:
+    registry.register("test/Slow-v0", SlowEnv, replace=True)
+    registry.register("test/Broken-v0", BrokenEnv, replace=True)
+    SlowEnv.live = SlowEnv.peak = 0
+    yield
+    registry.unregister("test/Slow-v0")
+    registry.unregister("test/Broken-v0")
+
+
+@pytest.fixture
+def settings(database_url: str) -> Settings:
+    return Settings(database_url=database_url)
+
+
+@pytest.fixture
+async def gateway(settings: Settings) -> AsyncIterator[tuple[AsyncClient, httpx.AsyncClient]]:
+    """The typed client and a raw one, on one app with its lifespan running."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            AsyncClient("http://gateway", transport=transport) as client,
+            httpx.AsyncClient(transport=transport, base_url="http://gateway") as raw,
+        ):
+            yield client, raw
+
+
+@pytest.fixture
+def api(gateway: tuple[AsyncClient, httpx.AsyncClient]) -> AsyncClient:
+    return gateway[0]
+
+
+def _config(env_id: str, **rollout: Any) -> dict[str, Any]:
+    return {
+        "name": f"run-{uuid.uuid4().hex[:6]}",
+        "model": TINY_MODEL,
+        "envs": [{"id": env_id, "kwargs": {}}],
+        "agent": {"max_turns": 4, "max_new_tokens": 8},
+        "rollout": {"group_size": 2, **rollout},
+    }
+
+
+async def _until(predicate: Any, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_run_plays_its_episodes_and_finishes(
+    gateway: tuple[AsyncClient, httpx.AsyncClient],
+) -> None:
+    api, raw = gateway
+    run = await api.create_run(_config("agentflow/guess-number-v0", max_episodes=4))
+    assert run.status == "running"
+
+    async def finished() -> bool:
+        return (await api.get_run(run.id)).status == "finished"
+
+    await _until(finished)
+    episodes = (await api.list_run_episodes(run.id)).items
+    assert len(episodes) == 4
+    assert {e.status for e in episodes} <= {"completed", "truncated"}
+    assert len({e.group_id for e in episodes}) == 2  # two groups of two
+    for group in {e.group_id for e in episodes}:
+        assert len({e.task["seed"] for e in episodes if e.group_id == group}) == 1
+    tree = await api.get_episode(episodes[0].id)
+    assert tree["roots"][0]["kind"] == "prompt"
+    assert tree["trajectories"], "a finished episode yields a trajectory"
+
+    metrics = (await raw.get("/metrics")).text
+    assert 'agentflow_turns_total{kind="policy"}' in metrics
+    assert "agentflow_generate_seconds_count" in metrics
+    assert "agentflow_env_step_seconds_count" in metrics
+    finished_line = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith('agentflow_episodes{status="completed"}')
+        or line.startswith('agentflow_episodes{status="truncated"}')
+    )
+    assert float(finished_line.split()[-1]) > 0
+
+
+async def test_concurrency_cap_and_stop(api: AsyncClient) -> None:
+    config = _config("test/Slow-v0", max_concurrency=3)
+    config["envs"][0]["kwargs"] = {"delay": 0.3, "steps": 50}
+    run = await api.create_run(config)
+
+    async def three_live() -> bool:
+        page = await api.list_run_episodes(run.id, status="running")
+        return page.total == 3
+
+    await _until(three_live)
+    paused = await api.pause_run(run.id)
+    assert paused.status == "paused"
+    resumed = await api.resume_run(run.id)
+    assert resumed.status == "running"
+    stopped = await api.stop_run(run.id)
+    assert stopped.status == "stopped"
+    assert SlowEnv.peak <= 3 and SlowEnv.live == 0  # the cap held; every env was closed
+    episodes = (await api.list_run_episodes(run.id)).items
+    assert episodes and not [e for e in episodes if e.status in LIVE]
+    aborted = [e for e in episodes if e.status == "aborted"]
+    assert aborted and all(e.error == "stopped through the API" for e in aborted)
+
+
+async def test_a_broken_env_fails_episodes_then_the_run(api: AsyncClient) -> None:
+    config = _config("test/Broken-v0", max_consecutive_failures=4)
+    run = await api.create_run(config)
+
+    async def failed() -> bool:
+        return (await api.get_run(run.id)).status == "failed"
+
+    await _until(failed)
+    current = await api.get_run(run.id)
+    assert current.error is not None and "the env crashed" in current.error
+    episodes = (await api.list_run_episodes(run.id)).items
+    assert len([e for e in episodes if e.status == "failed"]) >= 4
+    assert all(
+        "RuntimeError: the env crashed" in (e.error or "") for e in episodes if e.status == "failed"
+    )
+    assert not [e for e in episodes if e.status in LIVE]
+
+
+async def test_recovery_aborts_dangling_episodes_and_restarts_live_runs(
+    settings: Settings, database_url: str
+) -> None:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+            run = await client.create_run(_config("test/Slow-v0", max_episodes=2), start=False)
+            # A crash leaves an episode running and the run marked running.
+            turns_engine = create_engine(database_url)
+            async with turns_engine.begin() as conn:
+                await conn.execute(update(Run).where(Run.id == run.id).values(status="running"))
+                await conn.execute(
+                    Episode.__table__.insert().values(
+                        id=uuid.uuid4(),
+                        run_id=run.id,
+                        env_ref="test/Slow-v0",
+                        task={},
+                        status="running",
+                        created_at=run.created_at,
+                    )
+                )
+            await turns_engine.dispose()
+
+    app = create_app(settings)  # the restart
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+            episodes = (await client.list_run_episodes(run.id)).items
+            dangling = [e for e in episodes if e.status == "aborted"]
+            assert len(dangling) == 1 and "restarted" in (dangling[0].error or "")
+
+            async def finished() -> bool:
+                return (await client.get_run(run.id)).status == "finished"
+
+            await _until(finished)  # the run picked up where it was and played its episodes
+            done = (await client.list_run_episodes(run.id, status="completed")).items
+            assert len(done) == 2

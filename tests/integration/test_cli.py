@@ -1,0 +1,59 @@
+"""The `agentflow` CLI against a real gateway process."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentflow.cli import app
+from tests.integration.test_serve import _server
+
+pytestmark = pytest.mark.integration
+
+
+def test_envs_and_runs_commands(sqlite_database: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text(
+        f"name: {name}\nkind: http\nspec:\n  url: http://127.0.0.1:9\nmax_concurrency: 4\n"
+    )
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'name = "cli-run"\n[[envs]]\nid = "{name}"\n')
+
+    with _server(sqlite_database, tmp_path) as url:
+        opts = ["--url", url]
+        created = runner.invoke(app, ["envs", "register", str(env_file), *opts])
+        assert created.exit_code == 0, created.output
+        env_id = json.loads(created.output)["id"]
+
+        again = runner.invoke(app, ["envs", "register", str(env_file), *opts])
+        assert again.exit_code == 1 and "409" in again.output
+
+        listed = runner.invoke(app, ["envs", "list", "--name", name, *opts])
+        assert env_id in listed.output and "1 environment(s)" in listed.output
+        shown = runner.invoke(app, ["envs", "show", env_id, *opts])
+        assert json.loads(shown.output)["max_concurrency"] == 4
+
+        run = runner.invoke(app, ["runs", "create", str(run_file), "--no-start", *opts])
+        assert run.exit_code == 0, run.output
+        run_id = json.loads(run.output)["id"]
+        assert run_id in runner.invoke(app, ["runs", "list", *opts]).output
+        assert (
+            json.loads(runner.invoke(app, ["runs", "show", run_id, *opts]).output)["status"]
+            == "pending"
+        )
+
+        bad = tmp_path / "bad.toml"
+        bad.write_text('name = "x"\n[[envs]]\nid = "e"\n[rollout]\ngroup_size = 0\n')
+        refused = runner.invoke(app, ["runs", "create", str(bad), *opts])
+        assert refused.exit_code == 1 and "rollout.group_size" in refused.output
+
+        deleted = runner.invoke(app, ["envs", "delete", env_id, *opts])
+        assert deleted.exit_code == 0, deleted.output
+        missing = runner.invoke(app, ["envs", "show", env_id, *opts])
+        assert missing.exit_code == 1 and "404" in missing.output

@@ -1,0 +1,86 @@
+"""Group commit: concurrent single turns share batches, and each keeps its own error."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import pytest
+
+from agentflow.db.turn_batcher import TurnBatcher
+from agentflow.errors import InvalidInput
+from agentflow.types import NewTurn, TurnRecord
+
+
+def turn(tokens: tuple[int, ...] = (1,)) -> NewTurn:
+    return NewTurn(
+        episode_id=uuid.uuid4(), parent_id=None, record=TurnRecord(kind="env", token_ids=tokens)
+    )
+
+
+class FakeStore:
+    """Stands in for the database: records batches, refuses turns holding token 13."""
+
+    def __init__(self, delay: float = 0.01) -> None:
+        self.batches: list[list[uuid.UUID]] = []
+        self.written: list[uuid.UUID] = []
+        self.delay = delay
+
+    async def write(self, batch: Sequence[NewTurn]) -> None:
+        self.batches.append([t.id for t in batch])
+        await asyncio.sleep(self.delay)
+        if any(13 in t.record.token_ids for t in batch):
+            raise InvalidInput("unlucky token")
+        self.written.extend(t.id for t in batch)
+
+
+async def test_a_lone_turn_is_written_at_once() -> None:
+    store = FakeStore()
+    one = turn()
+    await TurnBatcher(store.write).add(one)
+    assert store.batches == [[one.id]] and store.written == [one.id]
+
+
+async def test_concurrent_turns_share_transactions_in_arrival_order() -> None:
+    store = FakeStore()
+    batcher = TurnBatcher(store.write)
+    turns = [turn() for _ in range(20)]
+    await asyncio.gather(*(batcher.add(t) for t in turns))
+    assert store.written == [t.id for t in turns]
+    assert len(store.batches) == 1  # all queued before the drain task first ran
+
+
+async def test_batches_never_exceed_the_cap() -> None:
+    store = FakeStore()
+    batcher = TurnBatcher(store.write, max_batch=4)
+    await asyncio.gather(*(batcher.add(turn()) for _ in range(10)))
+    assert [len(b) for b in store.batches] == [4, 4, 2]
+
+
+async def test_only_the_bad_turn_fails() -> None:
+    store = FakeStore()
+    batcher = TurnBatcher(store.write)
+    good = [turn() for _ in range(5)]
+    bad = turn((13,))
+    results = await asyncio.gather(
+        *(batcher.add(t) for t in [*good[:2], bad, *good[2:]]), return_exceptions=True
+    )
+    assert [type(r).__name__ for r in results] == ["NoneType"] * 2 + ["InvalidInput"] + [
+        "NoneType"
+    ] * 3
+    assert sorted(map(str, store.written)) == sorted(str(t.id) for t in good)
+
+
+async def test_a_cancelled_caller_does_not_break_the_others() -> None:
+    store = FakeStore(delay=0.05)
+    batcher = TurnBatcher(store.write)
+    first = asyncio.create_task(batcher.add(turn()))
+    await asyncio.sleep(0)
+    waiting = [asyncio.create_task(batcher.add(turn())) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiting[0].cancel()
+    await asyncio.gather(first, *waiting[1:])
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[0]
+    assert len(store.written) == 4  # queued before the cancel: still written

@@ -1,0 +1,163 @@
+"""Turn records validate themselves; rows convert to contexts and trajectories exactly."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agentflow.db import turn_rows
+from agentflow.db.packing import pack_floats, pack_ints, pack_mask
+from agentflow.errors import InvalidInput
+from agentflow.types import NO_VERSION, NewTurn, TurnRecord
+
+
+def policy(**overrides: Any) -> TurnRecord:
+    fields: dict[str, Any] = {
+        "kind": "policy",
+        "token_ids": [5, 6, 7],
+        "logprobs": [-0.5, -1.0, -0.25],
+        "weight_versions": [3, 3, 4],
+    }
+    return TurnRecord(**(fields | overrides))
+
+
+def test_policy_turn_is_normalized_to_tuples_with_a_full_loss_mask() -> None:
+    record = policy()
+    assert record.token_ids == (5, 6, 7)
+    assert record.logprobs == (-0.5, -1.0, -0.25)
+    assert record.weight_versions == (3, 3, 4)
+    assert record.loss_mask == (1, 1, 1)
+
+
+def test_other_turns_default_to_a_zero_mask_and_no_logprobs() -> None:
+    record = TurnRecord(kind="env", token_ids=(1, 2))
+    assert record.loss_mask == (0, 0)
+    assert record.logprobs is None and record.weight_versions is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"kind": "assistant"}, "kind"),
+        ({"token_ids": [1, -2, 3]}, "token_ids"),
+        ({"token_ids": [1, 2**31, 3]}, "token_ids"),
+        ({"token_ids": [1.5, 2, 3]}, "token_ids"),
+        ({"token_ids": [[1], [2], [3]]}, "token_ids"),
+        ({"logprobs": None}, "logprobs"),
+        ({"weight_versions": None}, "weight_versions"),
+        ({"logprobs": [-0.5, -1.0]}, "logprobs"),
+        ({"logprobs": [-0.5, float("nan"), -1.0]}, "logprobs"),
+        ({"logprobs": [-0.5, -1e300, -1.0]}, "logprobs"),  # overflows float32
+        ({"logprobs": ["a", "b", "c"]}, "logprobs"),
+        ({"weight_versions": [1, 2]}, "weight_versions"),
+        ({"weight_versions": [1, -1, 2]}, "weight_versions"),
+        ({"loss_mask": [1, 0]}, "loss_mask"),
+        ({"loss_mask": [1, 2, 0]}, "loss_mask"),
+        ({"reward": float("inf")}, "reward"),
+        ({"text": "a\x00b"}, "text"),
+        ({"finish_reason": "x" * 17}, "finish_reason"),
+        ({"timings": {"generate": -1.0}}, "timings"),
+        ({"timings": {"generate": "fast"}}, "timings"),
+    ],
+)
+def test_invalid_policy_records_are_refused_naming_the_field(
+    overrides: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        policy(**overrides)
+    assert info.value.field == (field,)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"logprobs": [-1.0]}, "logprobs"),
+        ({"weight_versions": [1]}, "weight_versions"),
+        ({"loss_mask": [1]}, "loss_mask"),  # nothing to train on without a log-prob
+    ],
+)
+def test_non_policy_turns_carry_no_policy_data(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        TurnRecord(kind="tool", token_ids=[9], **overrides)
+    assert info.value.field == (field,)
+
+
+def test_a_policy_turn_may_mask_out_some_of_its_tokens() -> None:
+    assert policy(loss_mask=[1, 0, 1]).loss_mask == (1, 0, 1)
+
+
+def test_an_empty_turn_is_valid() -> None:
+    record = TurnRecord(kind="policy", token_ids=[], logprobs=[], weight_versions=[])
+    assert record.token_ids == () and record.loss_mask == ()
+
+
+def _row(record: TurnRecord, parent: uuid.UUID | None = None) -> SimpleNamespace:
+    turn = NewTurn(episode_id=uuid.uuid4(), parent_id=parent, record=record)
+    return SimpleNamespace(**turn_rows.turn_row(turn, depth=0, created_at=datetime.now(UTC)))
+
+
+def test_a_context_concatenates_segments_with_placeholders_for_non_policy_tokens() -> None:
+    prompt = _row(TurnRecord(kind="prompt", token_ids=[1, 2]))
+    answer = _row(policy(loss_mask=[1, 0, 1]), parent=prompt.id)
+    context = turn_rows.context_from_path([prompt, answer])
+    assert context.turn_ids == (prompt.id, answer.id)
+    assert context.turn_starts == (0, 2)
+    assert context.token_ids == (1, 2, 5, 6, 7)
+    assert context.logprobs == (0.0, 0.0, -0.5, -1.0, -0.25)
+    assert context.loss_mask == (0, 0, 1, 0, 1)
+    assert context.weight_versions == (NO_VERSION, NO_VERSION, 3, 3, 4)
+    assert context.min_weight_version == 3
+
+
+def _tree_row(parent: uuid.UUID | None, versions: list[int] | None) -> SimpleNamespace:
+    packed = None if versions is None else pack_ints(versions)
+    return SimpleNamespace(id=uuid.uuid4(), parent_id=parent, weight_versions=packed)
+
+
+def test_trajectory_rows_take_every_leaf_and_the_oldest_version_on_its_path() -> None:
+    root = _tree_row(None, None)
+    old = _tree_row(root.id, [2, 5])
+    new = _tree_row(root.id, [7])
+    after_old = _tree_row(old.id, None)
+    episode = uuid.uuid4()
+    rows = turn_rows.trajectory_rows(
+        [root, old, new, after_old],
+        episode_id=episode,
+        run_id=None,
+        leaf_turn_ids=None,
+        leaf_rewards={new.id: 0.5},
+        reward=1.0,
+        created_at=datetime.now(UTC),
+    )
+    by_leaf = {row["leaf_turn_id"]: row for row in rows}
+    assert set(by_leaf) == {new.id, after_old.id}
+    assert by_leaf[after_old.id]["min_weight_version"] == 2
+    assert by_leaf[new.id]["min_weight_version"] == 7
+    assert by_leaf[new.id]["reward"] == 0.5 and by_leaf[after_old.id]["reward"] == 1.0
+    assert all(row["status"] == "ready" and row["episode_id"] == episode for row in rows)
+
+
+def test_trajectory_rows_refuse_a_turn_of_another_episode_and_an_empty_tree() -> None:
+    root = _tree_row(None, [1])
+    common: dict[str, Any] = {
+        "episode_id": uuid.uuid4(),
+        "run_id": None,
+        "leaf_rewards": {},
+        "reward": None,
+        "created_at": datetime.now(UTC),
+    }
+    with pytest.raises(InvalidInput, match="not a turn of episode"):
+        turn_rows.trajectory_rows([root], leaf_turn_ids=[uuid.uuid4()], **common)
+    with pytest.raises(InvalidInput, match="no turns"):
+        turn_rows.trajectory_rows([], leaf_turn_ids=None, **common)
+
+
+def test_rows_hold_packed_bytes() -> None:
+    row = _row(policy())
+    assert row.token_ids == pack_ints([5, 6, 7])
+    assert row.logprobs == pack_floats([-0.5, -1.0, -0.25])
+    assert row.loss_mask == pack_mask([1, 1, 1])

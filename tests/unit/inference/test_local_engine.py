@@ -1,0 +1,299 @@
+"""LocalEngine: consistency with a teacher-forced forward, sessions, continuous batching,
+pause/update/resume, and bad input. Real (tiny) models throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from agentflow.errors import EngineRequestError, EngineUnavailable
+from agentflow.inference.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    SamplingParams,
+    SessionRef,
+    WeightUpdate,
+)
+from agentflow.inference.local import LocalEngine
+from agentflow.modeling import ModelInit, build_model, score
+
+TINY = ModelInit(layers=2, hidden=32, heads=4, kv_heads=2, max_context=192)
+TOL = 1e-4
+
+
+@pytest.fixture
+async def engine():
+    eng = LocalEngine.from_init(TINY, seed=0, max_batch_size=16)
+    yield eng
+    await eng.close()
+
+
+def req(ids, *, temp=1.0, top_p=1.0, n=8, seed=None, stop=(), rid=None, session=None):
+    kw = {"rid": rid} if rid else {}
+    return GenerateRequest(
+        input_ids=tuple(ids),
+        sampling=SamplingParams(
+            temperature=temp, top_p=top_p, max_new_tokens=n, seed=seed, stop_token_ids=stop
+        ),
+        session=session,
+        **kw,
+    )
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def max_diff(engine: LocalEngine, context: list[int], res: GenerateResult, temp: float) -> float:
+    ref = score(engine.model, context + res.output_ids, temp, start=len(context))
+    assert len(ref) == len(res.logprobs)
+    return max(abs(a - b) for a, b in zip(ref, res.logprobs, strict=True))
+
+
+def test_is_an_engine(engine):
+    assert isinstance(engine, Engine)
+
+
+async def test_logprobs_match_teacher_forcing_in_any_batch(engine):
+    rng = random.Random(0)
+    temps = [1.0, 0.0, 0.7, 1.3]
+    prompts = [prompt(rng, rng.randrange(1, 40)) for _ in range(12)]
+    # Alone, then all together (mixed lengths, temperatures, top-p), then in a full batch.
+    alone = [await engine.generate(req(prompts[0], temp=0.7, n=6))]
+    mixed = await asyncio.gather(
+        *[
+            engine.generate(req(p, temp=temps[i % 4], top_p=0.9 if i % 3 else 1.0, n=4 + i))
+            for i, p in enumerate(prompts)
+        ]
+    )
+    assert max_diff(engine, prompts[0], alone[0], 0.7) <= TOL
+    for i, (p, res) in enumerate(zip(prompts, mixed, strict=True)):
+        assert res.finish_reason == "length" and len(res.output_ids) == 4 + i
+        assert res.prompt_tokens == len(p)
+        assert max_diff(engine, p, res, temps[i % 4]) <= TOL
+
+
+async def test_seed_reproduces_sampling(engine):
+    a = await engine.generate(req([5, 6, 7], seed=123, n=12))
+    b = await engine.generate(req([5, 6, 7], seed=123, n=12))
+    assert a.output_ids == b.output_ids
+
+
+async def test_session_reuses_kv_and_matches_stateless(engine):
+    sid = await engine.open_session()
+    context: list[int] = []
+    parent = None
+    for turn in range(3):
+        new = [10 + turn, 11, 12] if turn else [1, 2, 3, 4, 5, 6, 7]
+        session = SessionRef(session_id=sid, parent_rid=parent)
+        res = await engine.generate(req(new, temp=0, n=6, rid=f"t{turn}", session=session))
+        context = context + new
+        stateless = await engine.generate(req(context, temp=0, n=6))
+        assert res.output_ids == stateless.output_ids
+        assert res.prompt_tokens == len(context)
+        assert max_diff(engine, context, res, 0.0) <= TOL
+        if turn:
+            # All of the parent's context but its last sampled token had KV.
+            assert res.cached_tokens == len(context) - len(new) - 1
+        assert stateless.cached_tokens == 0
+        context = context + res.output_ids
+        parent = f"t{turn}"
+
+
+async def test_offset_truncates_the_parent(engine):
+    sid = await engine.open_session()
+    first = await engine.generate(
+        req([1, 2, 3, 4, 5], temp=0, n=5, rid="p", session=SessionRef(session_id=sid))
+    )
+    child = await engine.generate(
+        req([9], temp=0, n=4, session=SessionRef(session_id=sid, parent_rid="p", offset=3))
+    )
+    stateless = await engine.generate(req([1, 2, 3, 9], temp=0, n=4))
+    assert child.output_ids == stateless.output_ids
+    assert child.prompt_tokens == 4 and child.cached_tokens == 3
+    assert first.output_ids
+
+
+async def test_evicted_session_kv_is_recomputed():
+    eng = LocalEngine.from_init(TINY, seed=0, kv_budget_tokens=40)
+    try:
+        sid = await eng.open_session()
+        ctx = list(range(30, 60))
+        first = await eng.generate(req(ctx, n=5, rid="a", session=SessionRef(session_id=sid)))
+        # A second, unrelated session request of 35 tokens pushes "a" out of the budget.
+        await eng.generate(req(list(range(35)), n=1, rid="b", session=SessionRef(session_id=sid)))
+        child = await eng.generate(
+            req([7, 8], temp=0.5, n=5, session=SessionRef(session_id=sid, parent_rid="a"))
+        )
+        full = ctx + first.output_ids + [7, 8]
+        assert child.cached_tokens == 0
+        assert max_diff(eng, full, child, 0.5) <= TOL
+        assert (await eng.info()).extra["kv_evictions"] >= 1
+    finally:
+        await eng.close()
+
+
+async def test_64_concurrent_mixed_requests_complete():
+    eng = LocalEngine.from_init(TINY, seed=1, max_batch_size=64)
+    try:
+        rng = random.Random(1)
+        prompts = [prompt(rng, rng.randrange(1, 60)) for _ in range(64)]
+        lengths = [rng.randrange(1, 24) for _ in range(64)]
+        results = await asyncio.gather(
+            *[eng.generate(req(p, n=n, temp=0.8)) for p, n in zip(prompts, lengths, strict=True)]
+        )
+        assert [len(r.output_ids) for r in results] == lengths
+        assert all(r.weight_versions[0].version == 0 for r in results)
+        for i in (0, 17, 63):
+            assert max_diff(eng, prompts[i], results[i], 0.8) <= TOL
+        assert (await eng.info()).running == 0
+    finally:
+        await eng.close()
+
+
+async def test_request_joins_a_running_batch(engine):
+    long = [asyncio.create_task(engine.generate(req([i + 1] * 5, n=80))) for i in range(6)]
+    while engine.steps < 5:
+        await asyncio.sleep(0.005)
+    short = await engine.generate(req([3, 4], n=3))
+    assert len(short.output_ids) == 3
+    # The batch had not drained: the long requests were still running when it finished.
+    assert not any(t.done() for t in long)
+    assert all(len(r.output_ids) == 80 for r in await asyncio.gather(*long))
+
+
+async def test_retract_update_resume_switches_versions(engine):
+    new_model = build_model(TINY, seed=7)
+    prompts = [[i + 2] * (3 + i) for i in range(5)]
+    tasks = [asyncio.create_task(engine.generate(req(p, n=40))) for p in prompts]
+    while engine.steps < 8:
+        await asyncio.sleep(0.005)
+    await engine.pause(PauseMode.RETRACT)
+    version = await engine.update_weights(WeightUpdate(state_dict=new_model.state_dict()))
+    assert version == 1
+    await engine.resume()
+    results = await asyncio.gather(*tasks)
+    old_model = build_model(TINY, seed=0)
+    for p, res in zip(prompts, results, strict=True):
+        assert res.finish_reason == "length" and len(res.output_ids) == 40
+        assert [s.version for s in res.weight_versions] == [0, 1]
+        versions = res.token_versions()
+        old = score(old_model, p + res.output_ids, 1.0, start=len(p))
+        new = score(new_model, p + res.output_ids, 1.0, start=len(p))
+        for i, v in enumerate(versions):
+            ref = new if v == 1 else old
+            assert abs(ref[i] - res.logprobs[i]) <= TOL, (i, v)
+
+
+async def test_pause_abort_ends_requests_with_partial_output(engine):
+    tasks = [asyncio.create_task(engine.generate(req([9, 9, 9], n=150))) for _ in range(3)]
+    while engine.steps < 3:
+        await asyncio.sleep(0.005)
+    await engine.pause(PauseMode.ABORT)
+    results = await asyncio.gather(*tasks)
+    assert all(r.finish_reason == "abort" and 0 < len(r.output_ids) < 150 for r in results)
+    queued = asyncio.create_task(engine.generate(req([1], n=2)))
+    await asyncio.sleep(0.05)
+    assert not queued.done()  # paused: new requests wait for resume
+    await engine.resume()
+    assert len((await queued).output_ids) == 2
+
+
+async def test_pause_in_place_keeps_requests(engine):
+    task = asyncio.create_task(engine.generate(req([4, 5], n=30)))
+    while engine.steps < 3:
+        await asyncio.sleep(0.005)
+    await engine.pause(PauseMode.IN_PLACE)
+    steps = engine.steps
+    await asyncio.sleep(0.05)
+    assert engine.steps == steps and not task.done()
+    await engine.resume()
+    res = await task
+    assert res.finish_reason == "length" and len(res.output_ids) == 30
+    assert max_diff(engine, [4, 5], res, 1.0) <= TOL
+
+
+async def test_abort_one_request(engine):
+    victim = asyncio.create_task(engine.generate(req([1, 2], n=150, rid="victim")))
+    other = asyncio.create_task(engine.generate(req([3, 4], n=20)))
+    while engine.steps < 2:
+        await asyncio.sleep(0.005)
+    await engine.abort("victim")
+    assert (await victim).finish_reason == "abort"
+    assert len((await other).output_ids) == 20
+
+
+async def test_stop_token_ends_generation(engine):
+    greedy = await engine.generate(req([1, 2, 3], temp=0, n=5))
+    stop = greedy.output_ids[2]
+    first = greedy.output_ids.index(stop)
+    res = await engine.generate(req([1, 2, 3], temp=0, n=5, stop=(stop,)))
+    assert res.finish_reason == "stop"
+    assert res.output_ids == greedy.output_ids[: first + 1]
+
+
+async def test_update_weights_from_safetensors_dir(engine, tmp_path):
+    from agentflow.modeling import save_model
+
+    new_model = build_model(TINY, seed=3)
+    save_model(new_model, tmp_path)
+    assert await engine.update_weights(WeightUpdate(path=str(tmp_path), version=5)) == 5
+    res = await engine.generate(req([1, 2, 3], n=6))
+    assert res.weight_versions[0].version == 5
+    ref = score(new_model, [1, 2, 3] + res.output_ids, 1.0, start=3)
+    assert max(abs(a - b) for a, b in zip(ref, res.logprobs, strict=True)) <= TOL
+
+
+async def test_bad_weights_are_refused_and_old_ones_kept(engine):
+    good = engine.score([1, 2, 3, 4])
+    sd = build_model(TINY, seed=3).state_dict()
+    sd["model.norm.weight"] = sd["model.norm.weight"][:-1]
+    with pytest.raises(EngineRequestError, match="shape"):
+        await engine.update_weights(WeightUpdate(state_dict=sd))
+    with pytest.raises(EngineRequestError, match="unknown"):
+        await engine.update_weights(WeightUpdate(state_dict={"nope": sd["model.norm.weight"]}))
+    with pytest.raises(EngineRequestError, match="not newer"):
+        await engine.update_weights(WeightUpdate(state_dict=sd, version=0))
+    assert engine.score([1, 2, 3, 4]) == good
+    assert (await engine.info()).weight_version == 0
+
+
+async def test_bad_input_fails_that_request_only(engine):
+    sid = await engine.open_session()
+    good = asyncio.create_task(engine.generate(req([1, 2, 3], n=20)))
+    bad = [
+        (req([]), "empty"),
+        (req([1, 5000]), "outside the vocabulary"),
+        (req([-1]), "outside the vocabulary"),
+        (req([1] * 150, n=50), "exceeds the context length"),
+        (req([1], session=SessionRef(session_id="nope")), "unknown session"),
+        (req([1], session=SessionRef(session_id=sid, parent_rid="ghost")), "unknown parent"),
+    ]
+    for r, message in bad:
+        with pytest.raises(EngineRequestError, match=message):
+            await engine.generate(r)
+    zero = GenerateRequest.model_construct(
+        input_ids=(1,),
+        sampling=SamplingParams.model_construct(
+            temperature=1.0, top_p=1.0, max_new_tokens=0, stop_token_ids=(), seed=None
+        ),
+        rid="z",
+        session=None,
+        routing_key=None,
+    )
+    with pytest.raises(EngineRequestError, match="max_new_tokens"):
+        await engine.generate(zero)
+    with pytest.raises(ValidationError):
+        SamplingParams(max_new_tokens=0)
+    assert len((await good).output_ids) == 20
+
+
+async def test_closed_engine_refuses(engine):
+    await engine.close()
+    with pytest.raises(EngineUnavailable):
+        await engine.generate(req([1]))
