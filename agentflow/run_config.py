@@ -67,6 +67,10 @@ class AgentConfig(_Section):
     url: AnyHttpUrl | None = Field(default=None, description="agent service (type=http)")
     command: list[str] = Field(default_factory=list, description="agent program (container)")
     deadline_s: float = Field(default=600.0, gt=0, description="black-box episode deadline")
+    reward: Literal["env", "agent", "external"] = Field(
+        default="env",
+        description="black-box reward: the env's verifier, the agent's report, or POST .../reward",
+    )
     temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
 
     @model_validator(mode="after")

@@ -123,7 +123,7 @@ def _create_v2(name: str, parent: Path | None) -> SandboxCgroup | None:
     enabled = set((base / "cgroup.subtree_control").read_text().split())
     if not wanted <= enabled:
         # EBUSY when ``base`` holds processes itself (the "no internal processes" rule).
-        (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in wanted))
+        (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(wanted)))
     d = base / name
     d.mkdir()
     return SandboxCgroup({"": d}, version=2)

@@ -68,13 +68,18 @@ class WhiteBoxAgent:
 
     async def run(self, episode: EpisodeHandle) -> EpisodeOutcome:
         session = _Session(episode.runtime.engine)
+        writes = _Writes(episode)
         await session.open()
         try:
-            return await self._loop(episode, session)
+            outcome = await self._loop(episode, session, writes)
         finally:
             await session.close()
+            await writes.settle()  # every turn is committed before the outcome counts
+        return outcome
 
-    async def _loop(self, episode: EpisodeHandle, session: _Session) -> EpisodeOutcome:
+    async def _loop(
+        self, episode: EpisodeHandle, session: _Session, writes: _Writes
+    ) -> EpisodeOutcome:
         runtime, budget = episode.runtime, episode.budget
         template = runtime.template
         task = episode.task
@@ -84,7 +89,7 @@ class WhiteBoxAgent:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         prompt = template.render(messages, tools=episode.env.tools() or None)
         parent = await self._record(
-            episode, None, TurnRecord(kind="prompt", token_ids=tuple(prompt.token_ids))
+            writes, None, TurnRecord(kind="prompt", token_ids=tuple(prompt.token_ids))
         )
         context: list[int] = list(prompt.token_ids)
         pending: list[int] = list(prompt.token_ids)  # tokens the engine has not seen yet
@@ -99,7 +104,7 @@ class WhiteBoxAgent:
                 pending = list(context)
             result, timings = await self._generate(session, pending, room, runtime.sampling)
             parent = await self._record(
-                episode,
+                writes,
                 parent,
                 TurnRecord(
                     kind="policy",
@@ -123,7 +128,7 @@ class WhiteBoxAgent:
             )
             if delta.token_ids:
                 parent = await self._record(
-                    episode,
+                    writes,
                     parent,
                     TurnRecord(
                         kind="env",
@@ -207,13 +212,40 @@ class WhiteBoxAgent:
         return step, ended - started, parked_s
 
     async def _record(
-        self, episode: EpisodeHandle, parent: uuid.UUID | None, record: TurnRecord
+        self, writes: _Writes, parent: uuid.UUID | None, record: TurnRecord
     ) -> uuid.UUID:
-        # Concurrent episodes' turns share commits (TurnTree groups them).
-        turn_id = await episode.turns.add_turn(episode.episode_id, parent, record)
+        turn_id = await writes.submit(parent, record)
         if self.metrics is not None:
             self.metrics.turns.labels(kind=record.kind).inc()
         return turn_id
+
+
+class _Writes:
+    """An episode's turn writes, queued as each turn completes and committed in the
+    background (concurrent episodes share commits), so the loop does not wait on the
+    database between turns. At most `window` may be outstanding; a failed write fails
+    the episode at the next submit or at the end."""
+
+    def __init__(self, episode: EpisodeHandle, window: int = 4) -> None:
+        self.episode = episode
+        self.window = window
+        self.pending: list[asyncio.Future[None]] = []
+
+    async def submit(self, parent: uuid.UUID | None, record: TurnRecord) -> uuid.UUID:
+        while self.pending and self.pending[0].done():  # writes commit in order
+            self.pending.pop(0).result()  # a failed write raises here, in the loop
+        if len(self.pending) >= self.window:
+            await self.pending.pop(0)
+        turn_id, committed = self.episode.turns.submit_turn(self.episode.episode_id, parent, record)
+        self.pending.append(committed)
+        return turn_id
+
+    async def settle(self) -> None:
+        pending, self.pending = self.pending, []
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
 
 def _messages(step: StepResult) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from agentflow.api.routes import (
 from agentflow.config import Settings, get_settings
 from agentflow.db.migrate import ensure_schema_current
 from agentflow.db.session import create_engine, session_factory
+from agentflow.db.turn_tree import TurnTree
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.manager import RunManager
 
@@ -39,8 +40,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             await ensure_schema_current(engine)  # refuse to serve a schema that is behind
             app.state.sessionmaker = session_factory(engine)
+            # One TurnTree per app: it groups concurrent writes (and queues them on SQLite).
+            app.state.turn_tree = TurnTree(app.state.sessionmaker)
             manager = RunManager(
-                app.state.sessionmaker, app.state.runtimes, settings, app.state.metrics
+                app.state.turn_tree,
+                app.state.runtimes,
+                settings,
+                live=app.state.live_episodes,
+                metrics=app.state.metrics,
             )
             app.state.run_manager = manager
             await manager.recover()

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
+from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Unauthorized
 from agentflow.rollout.manager import RunManager
 
@@ -42,11 +43,17 @@ def get_run_manager(request: Request) -> RunManager:
     return manager
 
 
+def get_turn_tree(request: Request) -> TurnTree:
+    turns: TurnTree = request.app.state.turn_tree
+    return turns
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
 SessionMakerDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessionmaker)]
 RuntimesDep = Annotated[RuntimeRegistry, Depends(get_runtimes)]
 RunManagerDep = Annotated[RunManager, Depends(get_run_manager)]
+TurnTreeDep = Annotated[TurnTree, Depends(get_turn_tree)]
 
 
 async def require_api_key(request: Request, settings: SettingsDep) -> None:

@@ -27,7 +27,12 @@ def create_engine(url: str, *, echo: bool = False) -> AsyncEngine:
             cursor.close()
 
         return engine
-    return create_async_engine(url, echo=echo, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # No pre-ping: it costs a round trip on every checkout, i.e. on every turn batch. A
+    # connection broken by a database restart fails its one statement, and SQLAlchemy then
+    # replaces the pool's connections (`pool_recycle` bounds their age anyway).
+    return create_async_engine(
+        url, echo=echo, pool_size=20, max_overflow=20, pool_pre_ping=False, pool_recycle=1800
+    )
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -30,13 +30,18 @@ class TurnBatcher:
         self._pending: list[tuple[NewTurn, asyncio.Future[None]]] = []
         self._drain_task: asyncio.Task[None] | None = None
 
-    async def add(self, turn: NewTurn) -> None:
-        """Write `turn`; returns once it is committed, raises its own error if it is not."""
+    def submit(self, turn: NewTurn) -> asyncio.Future[None]:
+        """Queue `turn` now (so turns queued later are written after it); the future
+        resolves once it is committed, or carries its own error."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((turn, future))
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = asyncio.create_task(self._drain())
-        await future
+        return future
+
+    async def add(self, turn: NewTurn) -> None:
+        """Write `turn`; returns once it is committed, raises its own error if it is not."""
+        await self.submit(turn)
 
     async def _drain(self) -> None:
         batch: list[tuple[NewTurn, asyncio.Future[None]]] = []

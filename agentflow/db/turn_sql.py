@@ -14,16 +14,18 @@ from typing import Any, cast
 from sqlalchemy import Select, Table, bindparam, select
 from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
 from agentflow.db import turn_rows
 from agentflow.db.models import Episode, Trajectory, Turn
 from agentflow.errors import Conflict, InvalidInput, NotFound
-from agentflow.types import FINAL_EPISODE_STATUSES, NewTurn, TurnRecord
+from agentflow.types import NewTurn, TurnRecord
 
 turns = cast(Table, Turn.__table__)
 episodes = cast(Table, Episode.__table__)
 trajectories = cast(Table, Trajectory.__table__)
+# Raised by the database trigger that keeps turns out of finished episodes.
+FINISHED_EPISODE_MESSAGE = "episode is finished: it takes no more turns"
 _CHUNK = 500  # ids per IN (...) list: far below every bind-parameter limit
 
 # Columns a context needs; a path needs all of them.
@@ -48,7 +50,7 @@ Placement = tuple[uuid.UUID, int]  # a written turn's (episode id, depth)
 
 
 async def insert_turns(
-    session: AsyncSession,
+    session: AsyncSession | AsyncConnection,
     batch: Sequence[NewTurn],
     placed: Mapping[uuid.UUID, Placement] | None = None,
 ) -> dict[uuid.UUID, Placement]:
@@ -116,24 +118,17 @@ async def insert_turns(
 
     await session.execute(sql_insert(turns), rows_out)
 
-    # After the insert, so a concurrent completion cannot slip in between check and write.
-    episode_ids = turn_rows.ids_in_order([t.episode_id for t in batch])
-    for chunk in chunks(episode_ids):
-        statuses = await session.execute(
-            select(episodes.c.id, episodes.c.status)
-            .where(episodes.c.id.in_(chunk))
-            .with_for_update(read=True)
-        )
-        for row in statuses:
-            if row.status in FINAL_EPISODE_STATUSES:
-                raise Conflict(f"episode {row.id} is {row.status}: it takes no more turns")
+    # That the episode is still open is checked by the database as each row goes in
+    # (trigger `turns_need_open_episode`, migration 0002), atomically with the insert.
     return {turn.id: (turn.episode_id, depths[turn.id]) for turn in batch}
 
 
 async def explain_insert_failure(
     sessions: async_sessionmaker[AsyncSession], batch: Sequence[NewTurn], exc: IntegrityError
 ) -> Exception:
-    """Name what made an insert fail: a missing episode, or a turn id already used."""
+    """Name what made an insert fail: a finished or missing episode, or a turn id used."""
+    if FINISHED_EPISODE_MESSAGE in str(exc.orig):
+        return Conflict(f"{FINISHED_EPISODE_MESSAGE} (one of {len(batch)} turns written)")
     episode_ids = turn_rows.ids_in_order([t.episode_id for t in batch])
     turn_ids = [t.id for t in batch]
     async with sessions() as session:

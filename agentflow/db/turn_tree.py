@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from sqlalchemy import Table, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from agentflow.db import turn_rows, turn_sql
 from agentflow.db.models import Environment, Run
@@ -74,11 +74,13 @@ class TurnTree:
 
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
+        self.sessions = sessions  # for callers that also need plain sessions
         bind = sessions.kw.get("bind")
         # SQLite has one writer at a time: waiting writers sleep in coarse steps and give
         # up with "database is locked" after the busy timeout. Queue this process's own
         # writers here instead.
         self._serialize_writes = bind is not None and bind.dialect.name == "sqlite"
+        self._bind: AsyncEngine | None = bind
         self._write_lock = asyncio.Lock()
         self._batcher = TurnBatcher(self.add_turns)
         self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
@@ -90,6 +92,18 @@ class TurnTree:
             if self._serialize_writes:
                 await stack.enter_async_context(self._write_lock)
             yield await stack.enter_async_context(self._sessions.begin())
+
+    @contextlib.asynccontextmanager
+    async def _turn_writer(self) -> AsyncIterator[AsyncSession | AsyncConnection]:
+        """Where a batch of turns is written. On PostgreSQL: an autocommit connection, as
+        the batch is one INSERT (atomic by itself, the episode checked by a trigger), which
+        saves the round trips of BEGIN and COMMIT. SQLite has no round trips to save."""
+        if self._serialize_writes or self._bind is None:
+            async with self._write() as session:
+                yield session
+            return
+        async with self._bind.connect() as conn:
+            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     # ---- episodes -------------------------------------------------------------------
 
@@ -126,13 +140,15 @@ class TurnTree:
             "created_at": datetime.now(UTC),
         }
         try:
-            async with self._write() as session:
+            # One INSERT: the foreign keys check the run and env (explained below if not).
+            async with self._turn_writer() as writer:
+                await writer.execute(insert(_episodes), [row])
+        except IntegrityError as exc:
+            async with self._sessions() as session:
                 for table, key in ((_runs, run_id), (_environments, environment_id)):
                     found = select(table.c.id).where(table.c.id == key)
                     if key is not None and await session.scalar(found) is None:
-                        raise NotFound(f"{table.name[:-1]} {key} not found")
-                await session.execute(insert(_episodes), [row])
-        except IntegrityError as exc:
+                        raise NotFound(f"{table.name[:-1]} {key} not found") from None
             raise Conflict(f"episode {episode_id} conflicts with stored data: {exc.orig}") from exc
         return episode_id
 
@@ -165,14 +181,23 @@ class TurnTree:
         await self._batcher.add(turn)
         return turn.id
 
+    def submit_turn(
+        self, episode_id: uuid.UUID, parent_id: uuid.UUID | None, record: TurnRecord
+    ) -> tuple[uuid.UUID, asyncio.Future[None]]:
+        """Queue a turn without waiting for its commit: its id, and a future that resolves
+        once it is committed. Turns submitted later (its children) are written after it,
+        so a loop can go on while the database works and await the futures at the end."""
+        turn = NewTurn(episode_id=episode_id, parent_id=parent_id, record=record)
+        return turn.id, self._batcher.submit(turn)
+
     async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
         """Write `batch` (any number of episodes and branches, parents before children)
         in one transaction; their ids in order."""
         if not batch:
             return []
         try:
-            async with self._write() as session:
-                written = await turn_sql.insert_turns(session, batch, self._placed)
+            async with self._turn_writer() as writer:
+                written = await turn_sql.insert_turns(writer, batch, self._placed)
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, batch, exc) from exc
         self._remember(written)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from agentflow.inference.kv_cache import SlotKV
 
@@ -30,6 +31,11 @@ def supports(model: Any) -> bool:
     return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -42,6 +48,22 @@ class LlamaDecodeStep:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the concatenated q/k/v and gate/up weights from the model's current ones."""
+        fused = []
+        with torch.no_grad():
+            for layer in self.model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                bias = None
+                if a.q_proj.bias is not None:
+                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                fused.append((qkv, bias, gate_up))
+        self._fused = fused
 
     def __call__(
         self, kv: SlotKV, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, kv_len: int
@@ -56,12 +78,15 @@ class LlamaDecodeStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [n, 1, 1, dim]
         rows = torch.arange(n, device=ids.device)
         at = pos[:, 0]
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
         for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, 1, heads, dim).transpose(1, 2)
-            k = attn.k_proj(x).view(n, 1, kv_heads, dim).transpose(1, 2)
-            v = attn.v_proj(x).view(n, 1, kv_heads, dim).transpose(1, 2)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b, gate_up_w = self._fused[i]
+            x = _rms_norm(layer.input_layernorm, h)
+            qkv = F.linear(x, qkv_w, qkv_b)
+            q = qkv[..., :q_end].view(n, 1, heads, dim).transpose(1, 2)
+            k = qkv[..., q_end:k_end].view(n, 1, kv_heads, dim).transpose(1, 2)
+            v = qkv[..., k_end:].view(n, 1, kv_heads, dim).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = kv.k[i], kv.v[i]
@@ -73,6 +98,8 @@ class LlamaDecodeStep:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             out = torch.matmul(probs, values).reshape(n, 1, heads * dim)
             h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = inner.norm(h)
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        h = _rms_norm(inner.norm, h)
         return self.model.lm_head(h[:, -1]).float()

@@ -12,6 +12,12 @@ prompt + output (cut to `offset`). The KV of a finished session request is kept 
 token budget (LRU); a child loads it and computes only the new tokens, or recomputes the
 prefix when it was evicted. The reported `cached_tokens` counts the loaded prefix.
 
+A step decodes one token for every running request; while no request waits and none has
+finished, the worker keeps decoding up to `decode_burst` steps before handing back (any
+call that needs the lock interrupts the burst), which halves the per-token overhead on
+small models. Llama-family models decode through `fast_decode`, others through their
+own HF forward; both write into the same slot KV and match a teacher-forced forward.
+
 Weight versions: every output token is tagged with the version current when it was
 sampled. `pause(retract)` drops running requests' KV so that, after an update, their
 context is recomputed under the new weights; `in_place` keeps it (tokens after the
@@ -25,7 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentflow.errors import EngineError, EngineRequestError, EngineUnavailable, NotFound
 from agentflow.inference.base import (
@@ -38,6 +44,9 @@ from agentflow.inference.base import (
     WeightUpdate,
 )
 from agentflow.inference.scheduling import BatchScheduler, LiveRequest
+
+if TYPE_CHECKING:
+    from agentflow.modeling import ModelInit
 
 
 @dataclass
@@ -105,7 +114,8 @@ class LocalEngine:
     # -- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_init(cls, init: Any, seed: int = 0, **kw: Any) -> LocalEngine:
+    def from_init(cls, init: ModelInit, seed: int = 0, **kw: Any) -> LocalEngine:
+        """Serve a randomly initialised model built from `init` (same seed, same weights)."""
         from agentflow.modeling import build_model
 
         kw.setdefault("max_context", init.max_context)
@@ -113,8 +123,10 @@ class LocalEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kw: Any) -> LocalEngine:
+        """Serve the HF-format checkpoint in the local directory `path`."""
         from agentflow.modeling import load_model
 
+        kw.setdefault("model_name", Path(path).name)
         return cls(load_model(path, device=kw.get("device", "cpu")), **kw)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -122,6 +134,8 @@ class LocalEngine:
     async def start(self) -> None:
         if self._closed:
             raise EngineUnavailable("engine is closed")
+        if self._task is not None and self._task.get_loop() is not asyncio.get_running_loop():
+            raise EngineUnavailable("the engine serves another event loop; make one per loop")
         if self._task is None:
             self._lock = asyncio.Lock()
             self._wake = asyncio.Event()
@@ -345,14 +359,14 @@ class LocalEngine:
                     self._wake.clear()
                     continue
                 self._runner.interrupt.clear()
-                plan, joined = sched.plan(run=not paused)
+                joined: list[LiveRequest] = []
                 try:
+                    plan, joined = sched.plan(run=not paused)
                     out = await loop.run_in_executor(self._executor, self._runner.step, plan)
+                    self.steps += len(out.tokens)  # decode steps, bursts included
+                    sched.apply(out, joined, self.weight_version, self._finish)
                 except Exception as e:  # fail this step's requests, keep serving the rest
                     self._fail_step([*sched.rows, *joined], e)
-                    continue
-                self.steps += 1
-                sched.apply(out, joined, self.weight_version, self._finish)
             await asyncio.sleep(0)  # let pause/abort/update take the lock between steps
 
     def _fail_step(self, rows: list[LiveRequest], e: Exception) -> None:
@@ -363,6 +377,7 @@ class LocalEngine:
             if not r.future.done():
                 r.future.set_exception(err)
         self._sched.rows = []
+        self._sched.pending_saves = []
 
     def _finish(self, r: LiveRequest, reason: FinishReason) -> None:
         """End `r`: resolve its future, and keep its context (and KV) if it is in a session."""

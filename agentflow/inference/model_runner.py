@@ -18,7 +18,6 @@ decides what goes into each plan. A step:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,38 +28,8 @@ from agentflow.inference import attention
 from agentflow.inference.fast_decode import LlamaDecodeStep
 from agentflow.inference.fast_decode import supports as fast_decode_supports
 from agentflow.inference.kv_cache import SessionKVStore, SlotKV
-from agentflow.inference.sampling import RowSampling, sample
-
-
-@dataclass
-class Join:
-    """A request entering slot `slot` with full context `context`."""
-
-    slot: int
-    context: list[int]
-    load_rid: str | None  # a finished request whose stored KV may cover a prefix
-    load_max: int  # at most this many context tokens may come from `load_rid`
-
-
-@dataclass
-class StepPlan:
-    saves: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, slot, length)
-    moves: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, length)
-    decode_tokens: list[int] = field(default_factory=list)  # rows [0, n) in order
-    decode_pos: list[int] = field(default_factory=list)
-    joins: list[Join] = field(default_factory=list)  # rows [n, n + len(joins))
-    sampling: list[RowSampling] = field(default_factory=list)  # decode rows, then joins
-    # Burst decoding: per row, tokens it may still produce and its stop ids.
-    burst: int = 1
-    limits: list[int] = field(default_factory=list)
-    stops: list[frozenset[int]] = field(default_factory=list)
-
-
-@dataclass
-class StepOutput:
-    tokens: list[list[int]]  # per decode step, one token per row
-    logprobs: list[list[float]]
-    cached: list[int]  # per join: context tokens whose KV came from the store
+from agentflow.inference.sampling import sample
+from agentflow.inference.step_plan import Join, StepOutput, StepPlan
 
 
 class ModelRunner:
@@ -229,6 +198,8 @@ class ModelRunner:
                     )
             for name, value in sd.items():
                 params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+            if self._fast is not None:
+                self._fast.refresh()
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -8,16 +8,9 @@ trainer recomputes, and top-p only decides which token is drawn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class RowSampling:
-    temperature: float
-    top_p: float
-    generator: torch.Generator | None  # None: the engine's shared generator
+from agentflow.inference.step_plan import RowSampling
 
 
 def sample(

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentflow.inference.base import FinishReason, GenerateRequest, GenerateResult
-from agentflow.inference.model_runner import Join, StepOutput, StepPlan
-from agentflow.inference.sampling import RowSampling
+from agentflow.inference.step_plan import Join, RowSampling, StepOutput, StepPlan
 
 
 @dataclass(eq=False)

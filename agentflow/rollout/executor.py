@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from sqlalchemy import update
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
@@ -53,7 +52,7 @@ class RunExecutor:
         run_id: uuid.UUID,
         config: RunConfig,
         *,
-        sessions: async_sessionmaker[AsyncSession],
+        turns: TurnTree,
         runtime: PolicyRuntime,
         sources: list[EnvSource],
         agent: Agent,
@@ -63,8 +62,8 @@ class RunExecutor:
     ) -> None:
         self.run_id = run_id
         self.config = config
-        self.sessions = sessions
-        self.turns = TurnTree(sessions)
+        self.turns = turns
+        self.sessions = turns.sessions
         self.runtime = runtime
         self.sources = sources
         self.agent = agent
@@ -132,7 +131,7 @@ class RunExecutor:
         try:
             while rollout.max_episodes is None or self.counters.started < rollout.max_episodes:
                 source_index = self._pick_source()
-                task = {"seed": self._rng.randrange(2**31)}
+                task: dict[str, object] = {"seed": self._rng.randrange(2**31)}
                 group_id = uuid.uuid4().hex
                 for _ in range(rollout.group_size):
                     if rollout.max_episodes and self.counters.started >= rollout.max_episodes:

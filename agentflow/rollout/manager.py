@@ -6,17 +6,21 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from agentflow.agents.base import Agent
+from agentflow.agents.blackbox.container_agent import ContainerAgent
+from agentflow.agents.blackbox.http_agent import HttpAgent
+from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
 from agentflow.db.models import Episode, Run
-from agentflow.errors import Conflict, InvalidInput
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import Conflict
 from agentflow.inference.base import SamplingParams
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.envs import resolve_env_sources
@@ -32,12 +36,16 @@ RESTART_REASON = "the gateway restarted while the episode was live; its env sess
 class RunManager:
     def __init__(
         self,
-        sessions: async_sessionmaker[AsyncSession],
+        turns: TurnTree,
         runtimes: RuntimeRegistry,
         settings: Settings,
+        *,
+        live: LiveEpisodes | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
-        self.sessions = sessions
+        self.turns = turns
+        self.sessions = turns.sessions
+        self.live_episodes = live or LiveEpisodes()
         self.metrics = metrics
         self.runtimes = runtimes
         self.settings = settings
@@ -54,7 +62,7 @@ class RunManager:
         executor = RunExecutor(
             run_id,
             config,
-            sessions=self.sessions,
+            turns=self.turns,
             runtime=runtime,
             sources=sources,
             agent=self._agent(config),
@@ -72,9 +80,14 @@ class RunManager:
                 system_prompt=config.agent.system_prompt,
                 metrics=self.metrics,
             )
-        raise InvalidInput(
-            f"agent type {config.agent.type!r} is not runnable by the gateway yet",
-            field=("body", "agent", "type"),
+        agent = config.agent
+        if agent.type == "http":
+            assert agent.url is not None  # the config validator requires it
+            return HttpAgent(
+                str(agent.url), self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
+            )
+        return ContainerAgent(
+            agent.command, self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
         )
 
     async def live(self, run_id: uuid.UUID) -> RunExecutor:
@@ -117,7 +130,13 @@ class RunManager:
             # In the background: the gateway serves while engines load.
             restart = asyncio.create_task(self._restart(run_id, config, status == "paused"))
             self._restarting[run_id] = restart
-            restart.add_done_callback(lambda _, key=run_id: self._restarting.pop(key, None))
+            restart.add_done_callback(self._forget_restart(run_id))
+
+    def _forget_restart(self, run_id: uuid.UUID) -> Callable[[asyncio.Task[None]], None]:
+        def forget(_: asyncio.Task[None]) -> None:
+            self._restarting.pop(run_id, None)
+
+        return forget
 
     async def _restart(self, run_id: uuid.UUID, config: dict[str, object], paused: bool) -> None:
         try:

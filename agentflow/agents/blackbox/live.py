@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agentflow.agents.base import Budget
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.errors import CapacityExceeded, Conflict, NotFound
 from envs.base import Env
@@ -29,6 +30,10 @@ class TooManyRequests(CapacityExceeded):
     """An episode has as many chat requests in flight as it may."""
 
     status_code = 429
+
+
+class BudgetExhausted(Conflict):
+    """The episode's turn or token budget is spent: it is recorded as truncated."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,20 @@ class AgentSlot:
     env_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     env_done: bool = False
     env_reward: float = 0.0  # sum of the env's step rewards
+    budget: Budget | None = None
+    budget_hit: str | None = None  # why a chat request was refused for the budget
+
+    def check_budget(self, policy_turns: int, context_tokens: int) -> int | None:
+        """Tokens the next answer may have (None: no limit); `BudgetExhausted` if none."""
+        if self.budget is None:
+            return None
+        if policy_turns >= self.budget.max_turns:
+            self.budget_hit = f"turn budget ({self.budget.max_turns}) reached"
+        elif context_tokens >= self.budget.max_tokens:
+            self.budget_hit = f"token budget ({self.budget.max_tokens}) reached"
+        else:
+            return self.budget.max_tokens - context_tokens
+        raise BudgetExhausted(self.budget_hit)
 
 
 class LiveEpisodes:
@@ -100,14 +119,26 @@ class LiveEpisodes:
 
     # ---- agents ----------------------------------------------------------------------
 
-    def start_agent(self, episode_id: uuid.UUID, env: Env, runtime: PolicyRuntime) -> AgentSlot:
+    def start_agent(
+        self,
+        episode_id: uuid.UUID,
+        env: Env,
+        runtime: PolicyRuntime,
+        budget: Budget | None = None,
+    ) -> AgentSlot:
         if episode_id in self._agents:
             raise Conflict(f"episode {episode_id} already has a running agent")
         slot = AgentSlot(
-            env=env, runtime=runtime, report=asyncio.get_running_loop().create_future()
+            env=env,
+            runtime=runtime,
+            report=asyncio.get_running_loop().create_future(),
+            budget=budget,
         )
         self._agents[episode_id] = slot
         return slot
+
+    def running(self, episode_id: uuid.UUID) -> AgentSlot | None:
+        return self._agents.get(episode_id)
 
     def agent(self, episode_id: uuid.UUID) -> AgentSlot:
         slot = self._agents.get(episode_id)

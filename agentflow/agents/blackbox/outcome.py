@@ -9,7 +9,8 @@ Reward, by the agent kind's `reward` setting:
 - `env` (default): the env's verifier. The reward is the sum of the env's step rewards;
   if the env has not ended when the agent reports, the reported `answer` is stepped as a
   text action first. An env that is still running after that makes the episode
-  `truncated` (the agent stopped before the task ended), else `completed`.
+  `truncated` (the agent stopped before the task ended, e.g. when the chat routes
+  refused it for the episode's turn or token budget), else `completed`.
 - `agent`: the `reward` in the agent's completion report (an agent that grades itself,
   e.g. by running a test suite); a report without one fails the episode.
 - `external`: the last `POST /v1/episodes/{id}/reward` (by the agent or anyone holding
@@ -43,7 +44,7 @@ async def start_episode(
         seed=seed if isinstance(seed, int) else None,
         options=options if isinstance(options, dict) else None,
     )
-    slot = live.start_agent(episode.episode_id, episode.env, episode.runtime)
+    slot = live.start_agent(episode.episode_id, episode.env, episode.runtime, episode.budget)
     base = episode.gateway_url.rstrip("/")
     episode_url = f"{base}/v1/episodes/{episode.episode_id}"
     brief: dict[str, object] = {
@@ -88,6 +89,10 @@ async def settle(
                 )
             slot.env_reward += result.reward
             slot.env_done = result.done
+    if slot.env_done:
+        return EpisodeOutcome(status="completed", reward=slot.env_reward)
     return EpisodeOutcome(
-        status="completed" if slot.env_done else "truncated", reward=slot.env_reward
+        status="truncated",
+        reward=slot.env_reward,
+        error=slot.budget_hit or "the agent stopped before the env ended",
     )

@@ -69,7 +69,13 @@ class ChatProxy:
                 tree = await self.turns.episode_tree(episode_id)
                 found = match_request(runtime.template, tree.roots, messages, tools)
                 # Refuse what cannot fit before anything is written.
-                _room(runtime, sum(len(n.token_ids) for n in found.path) + len(found.new_tokens))
+                size = sum(len(n.token_ids) for n in found.path) + len(found.new_tokens)
+                _room(runtime, size)
+                slot = self.live.running(episode_id)
+                budget_room = None
+                if slot is not None:
+                    turns = sum(n.kind == "policy" for n in found.path)
+                    budget_room = slot.check_budget(turns, size)
                 path: list[TurnNode | _Written] = list(found.path)
                 if found.new_tokens:
                     kind: TurnKind = "prompt" if found.parent is None else "env"
@@ -79,7 +85,7 @@ class ChatProxy:
                     path.append(_Written(new_id, tuple(found.new_tokens), kind))
             if not path or path[-1].kind == "policy":
                 raise InvalidInput("the request adds no message after the last answer")
-            return await self._generate(episode_id, state, runtime, path, request)
+            return await self._generate(episode_id, state, runtime, path, request, budget_room)
 
     async def _generate(
         self,
@@ -88,9 +94,12 @@ class ChatProxy:
         runtime: PolicyRuntime,
         path: list[TurnNode | _Written],
         request: ChatCompletionRequest,
+        budget_room: int | None,
     ) -> ChatAnswer:
         context = [t for node in path for t in node.token_ids]
         room = _room(runtime, len(context))
+        if budget_room is not None:  # the episode's token budget, when an agent runs it
+            room = min(room, budget_room)
         limit = min(runtime.sampling.max_new_tokens, request.token_limit() or room, room)
         sampling = runtime.sampling.model_copy(
             update={

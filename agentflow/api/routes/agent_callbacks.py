@@ -20,9 +20,8 @@ from fastapi import APIRouter, Request, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentflow.agents.blackbox.live import AgentReport, AgentSlot
-from agentflow.api.deps import SessionMakerDep, SettingsDep
-from agentflow.api.routes.chat import authorize_episode, live_episodes
-from agentflow.db.turn_tree import TurnTree
+from agentflow.api.deps import SettingsDep
+from agentflow.api.routes.chat import authorize_episode, live_episodes, turn_tree
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES
 from envs.base import EnvError, parse_action
@@ -64,11 +63,9 @@ class StepBody(_Body):
     timeout_s: float | None = Field(default=None, gt=0, le=3600)
 
 
-async def _running_slot(
-    request: Request, settings: Any, maker: Any, episode_id: uuid.UUID
-) -> AgentSlot:
+async def _running_slot(request: Request, settings: Any, episode_id: uuid.UUID) -> AgentSlot:
     authorize_episode(request, settings, episode_id)
-    episode = await TurnTree(maker).episode(episode_id)
+    episode = await turn_tree(request.app).episode(episode_id)
     if episode.status not in OPEN_EPISODE_STATUSES:
         raise Conflict(f"episode {episode_id} is already {episode.status}")
     try:
@@ -83,9 +80,8 @@ async def complete(
     body: CompleteBody,
     request: Request,
     settings: SettingsDep,
-    maker: SessionMakerDep,
 ) -> dict[str, Any]:
-    await _running_slot(request, settings, maker, episode_id)
+    await _running_slot(request, settings, episode_id)
     report = AgentReport(
         status=body.status, answer=body.answer, reward=body.reward, error=body.error
     )
@@ -99,9 +95,8 @@ async def reward(
     body: RewardBody,
     request: Request,
     settings: SettingsDep,
-    maker: SessionMakerDep,
 ) -> dict[str, Any]:
-    slot = await _running_slot(request, settings, maker, episode_id)
+    slot = await _running_slot(request, settings, episode_id)
     slot.rewards.append(body.reward)
     return {"episode_id": str(episode_id), "rewards": len(slot.rewards)}
 
@@ -112,10 +107,9 @@ async def env_step(
     body: StepBody,
     request: Request,
     settings: SettingsDep,
-    maker: SessionMakerDep,
 ) -> dict[str, Any]:
     """Apply an action to the episode's env: how an agent runs the env's tools."""
-    slot = await _running_slot(request, settings, maker, episode_id)
+    slot = await _running_slot(request, settings, episode_id)
     try:
         action = parse_action(body.action)
     except EnvError as exc:

@@ -14,6 +14,7 @@ run, 409 finished episode, 429 too many requests in flight for one episode.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import uuid
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentflow.agents.blackbox.live import LiveEpisodes
+from agentflow.agents.blackbox.live import BudgetExhausted, LiveEpisodes
 from agentflow.agents.blackbox.openai_schema import error_body, parse_request
 from agentflow.agents.blackbox.proxy import ChatProxy
 from agentflow.agents.blackbox.responses import completion_of
@@ -34,6 +35,7 @@ from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import AgentFlowError, InvalidInput, NotFound, Unauthorized
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: ("invalid_request_error", "invalid_request"),
@@ -48,6 +50,8 @@ def openai_error(exc: AgentFlowError) -> JSONResponse:
     # OpenAI answers every malformed request with 400, never FastAPI's 422.
     status = 400 if exc.status_code == 422 else exc.status_code
     type_, code = _TYPES.get(status, ("server_error", "server_error"))
+    if isinstance(exc, BudgetExhausted):
+        code = "budget_exhausted"
     param = ".".join(exc.field) if isinstance(exc, InvalidInput) and exc.field else None
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     body = error_body(exc.message, type_=type_, code=code, param=param)
@@ -57,6 +61,12 @@ def openai_error(exc: AgentFlowError) -> JSONResponse:
 def live_episodes(request: Request) -> LiveEpisodes:
     live: LiveEpisodes = request.app.state.live_episodes
     return live
+
+
+def turn_tree(app: Any) -> TurnTree:
+    """The app's one `TurnTree` (it groups concurrent writes, and queues them on SQLite)."""
+    turns: TurnTree = app.state.turn_tree
+    return turns
 
 
 def bearer_token(request: Request) -> str:
@@ -97,21 +107,24 @@ async def _complete(request: Request, settings: Settings, raw_id: str | None) ->
             body: Any = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"the body is not valid JSON: {exc}", field="body") from None
-        chat = parse_request(body)
+        chat_request = parse_request(body)
         runtimes: RuntimeRegistry = request.app.state.runtimes
-        turns = TurnTree(request.app.state.sessionmaker)
-        proxy = ChatProxy(turns, runtimes, live_episodes(request))
-        answer = await proxy.complete(episode_id, chat)
+        proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
+        answer = await proxy.complete(episode_id, chat_request)
     except AgentFlowError as exc:
         return openai_error(exc)
-    if chat.stream:
-        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+    except Exception as exc:  # a bug or a failing part: this request fails, in OpenAI's shape
+        log.exception("chat completion failed")
+        return openai_error(AgentFlowError(f"internal error: {type(exc).__name__}: {exc}"))
+    if chat_request.stream:
+        options = chat_request.stream_options
+        include_usage = bool(options and options.include_usage)
         return StreamingResponse(
             stream_chunks(answer, include_usage=include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return JSONResponse(completion_of(answer, with_logprobs=bool(chat.logprobs)))
+    return JSONResponse(completion_of(answer, with_logprobs=bool(chat_request.logprobs)))
 
 
 @router.post("/v1/episodes/{episode_id}/chat/completions", response_model=None)

@@ -8,14 +8,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from agentflow.api.deps import SessionMakerDep
+from agentflow.api.deps import TurnTreeDep
 
 router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
 
 
 @router.get("/{episode_id}")
-async def get_episode(episode_id: uuid.UUID, maker: SessionMakerDep) -> dict[str, Any]:
+async def get_episode(episode_id: uuid.UUID, turns: TurnTreeDep) -> dict[str, Any]:
     """The episode and its turn tree: each node with tokens, log-probs, versions and mask."""
-    from agentflow.db.turn_tree import TurnTree
-
-    return asdict(await TurnTree(maker).episode_tree(episode_id))
+    return asdict(await turns.episode_tree(episode_id))

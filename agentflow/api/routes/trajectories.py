@@ -8,13 +8,11 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from agentflow.api.deps import SessionMakerDep
+from agentflow.api.deps import TurnTreeDep
 
 router = APIRouter(prefix="/v1/trajectories", tags=["trajectories"])
 
 
 @router.get("/{trajectory_id}")
-async def get_trajectory(trajectory_id: uuid.UUID, maker: SessionMakerDep) -> dict[str, Any]:
-    from agentflow.db.turn_tree import TurnTree
-
-    return asdict(await TurnTree(maker).trajectory(trajectory_id))
+async def get_trajectory(trajectory_id: uuid.UUID, turns: TurnTreeDep) -> dict[str, Any]:
+    return asdict(await turns.trajectory(trajectory_id))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -9,9 +11,13 @@ from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.db.turn_tree import TurnTree
+from agentflow.inference.base import SamplingParams
+from agentflow.inference.local import LocalEngine
+from agentflow.tokenization.chat import ByteChatTemplate
 from agentflow.types import StoredTurn
 from envs import registry
-from tests.integration.rollout.scripted_envs import SlowEnv
+from tests.integration.agents.conftest import TINY
+from tests.integration.rollout.scripted_envs import GatedEnv, SlowEnv
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +114,46 @@ async def test_parked_session_resumes_with_the_right_context(
     await _play(runtime, turns, park_after_s=None)
     reused = [engine.results[rid] for rid in engine.order[-2:]]  # type: ignore[attr-defined]
     assert all(r.cached_tokens > 0 for r in reused)
+
+
+async def test_sessions_waiting_on_their_env_hold_no_decode_slot(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """20 episodes wait on a blocked env while 4 others play to the end on an engine with
+    only 4 decode slots: the waiting ones must not hold any."""
+    engine = LocalEngine.from_init(TINY, seed=1, max_batch_size=4)
+    runtime = PolicyRuntime(
+        engine=engine,
+        template=ByteChatTemplate(),
+        sampling=SamplingParams(max_new_tokens=8),
+        max_context=TINY.max_context,
+    )
+    turns = TurnTree(sessions)
+    GatedEnv.gate, GatedEnv.waiting = asyncio.Event(), 0
+
+    async def play(env: SlowEnv) -> str:
+        episode_id = await turns.create_episode(env_ref="test")
+        handle = EpisodeHandle(
+            episode_id=episode_id,
+            run_id=None,
+            env=env,
+            runtime=runtime,
+            turns=turns,
+            budget=Budget(max_turns=4, max_tokens=1000),
+        )
+        return (await WhiteBoxAgent(park_after_s=None).run(handle)).status
+
+    try:
+        blocked = [asyncio.create_task(play(GatedEnv(delay=0, steps=2))) for _ in range(20)]
+        while GatedEnv.waiting < 20:  # every blocked episode is now waiting on its env
+            await asyncio.sleep(0.01)
+        fast = await asyncio.wait_for(
+            asyncio.gather(*(play(SlowEnv(delay=0, steps=3)) for _ in range(4))), timeout=120
+        )
+        assert fast == ["completed"] * 4
+        assert GatedEnv.waiting == 20  # they finished while all 20 still waited
+        GatedEnv.gate.set()
+        assert await asyncio.gather(*blocked) == ["completed"] * 20
+    finally:
+        GatedEnv.gate.set()
+        await engine.close()

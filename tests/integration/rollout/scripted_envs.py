@@ -48,3 +48,19 @@ class BrokenEnv(SlowEnv):
 
     async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
         raise RuntimeError("the env crashed")
+
+
+class GatedEnv(SlowEnv):
+    """Each step waits until `gate` opens: an env that is busy for as long as a test wants."""
+
+    gate: ClassVar[asyncio.Event | None] = None
+    waiting: ClassVar[int] = 0
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        assert GatedEnv.gate is not None
+        GatedEnv.waiting += 1
+        try:
+            await GatedEnv.gate.wait()
+        finally:
+            GatedEnv.waiting -= 1
+        return await super().step(action, timeout_s)

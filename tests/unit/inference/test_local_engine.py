@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from agentflow.errors import EngineRequestError, EngineUnavailable
+from agentflow.errors import EngineError, EngineRequestError, EngineUnavailable
 from agentflow.inference.base import (
     Engine,
     GenerateRequest,
@@ -45,6 +45,13 @@ def req(ids, *, temp=1.0, top_p=1.0, n=8, seed=None, stop=(), rid=None, session=
     )
 
 
+async def until_steps(engine: LocalEngine, steps: int, timeout: float = 60.0) -> None:
+    """Wait until the engine ran `steps` decode steps (fail, never hang)."""
+    async with asyncio.timeout(timeout):
+        while engine.steps < steps:
+            await asyncio.sleep(0.002)
+
+
 def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
@@ -76,6 +83,19 @@ async def test_logprobs_match_teacher_forcing_in_any_batch(engine):
         assert res.finish_reason == "length" and len(res.output_ids) == 4 + i
         assert res.prompt_tokens == len(p)
         assert max_diff(engine, p, res, temps[i % 4]) <= TOL
+
+
+async def test_generic_hf_path_is_consistent_too():
+    # No Llama fast path, no bursts: the model's own forward over the slot cache.
+    eng = LocalEngine.from_init(TINY, seed=2, fast_decode=False, decode_burst=1)
+    try:
+        rng = random.Random(2)
+        prompts = [prompt(rng, rng.randrange(1, 30)) for _ in range(6)]
+        results = await asyncio.gather(*[eng.generate(req(p, n=7, temp=0.9)) for p in prompts])
+        for p, res in zip(prompts, results, strict=True):
+            assert max_diff(eng, p, res, 0.9) <= TOL
+    finally:
+        await eng.close()
 
 
 async def test_seed_reproduces_sampling(engine):
@@ -158,8 +178,7 @@ async def test_64_concurrent_mixed_requests_complete():
 
 async def test_request_joins_a_running_batch(engine):
     long = [asyncio.create_task(engine.generate(req([i + 1] * 5, n=80))) for i in range(6)]
-    while engine.steps < 5:
-        await asyncio.sleep(0.005)
+    await until_steps(engine, 5)
     short = await engine.generate(req([3, 4], n=3))
     assert len(short.output_ids) == 3
     # The batch had not drained: the long requests were still running when it finished.
@@ -171,8 +190,7 @@ async def test_retract_update_resume_switches_versions(engine):
     new_model = build_model(TINY, seed=7)
     prompts = [[i + 2] * (3 + i) for i in range(5)]
     tasks = [asyncio.create_task(engine.generate(req(p, n=40))) for p in prompts]
-    while engine.steps < 8:
-        await asyncio.sleep(0.005)
+    await until_steps(engine, 8)
     await engine.pause(PauseMode.RETRACT)
     version = await engine.update_weights(WeightUpdate(state_dict=new_model.state_dict()))
     assert version == 1
@@ -192,8 +210,7 @@ async def test_retract_update_resume_switches_versions(engine):
 
 async def test_pause_abort_ends_requests_with_partial_output(engine):
     tasks = [asyncio.create_task(engine.generate(req([9, 9, 9], n=150))) for _ in range(3)]
-    while engine.steps < 3:
-        await asyncio.sleep(0.005)
+    await until_steps(engine, 3)
     await engine.pause(PauseMode.ABORT)
     results = await asyncio.gather(*tasks)
     assert all(r.finish_reason == "abort" and 0 < len(r.output_ids) < 150 for r in results)
@@ -206,8 +223,7 @@ async def test_pause_abort_ends_requests_with_partial_output(engine):
 
 async def test_pause_in_place_keeps_requests(engine):
     task = asyncio.create_task(engine.generate(req([4, 5], n=30)))
-    while engine.steps < 3:
-        await asyncio.sleep(0.005)
+    await until_steps(engine, 3)
     await engine.pause(PauseMode.IN_PLACE)
     steps = engine.steps
     await asyncio.sleep(0.05)
@@ -221,8 +237,7 @@ async def test_pause_in_place_keeps_requests(engine):
 async def test_abort_one_request(engine):
     victim = asyncio.create_task(engine.generate(req([1, 2], n=150, rid="victim")))
     other = asyncio.create_task(engine.generate(req([3, 4], n=20)))
-    while engine.steps < 2:
-        await asyncio.sleep(0.005)
+    await until_steps(engine, 2)
     await engine.abort("victim")
     assert (await victim).finish_reason == "abort"
     assert len((await other).output_ids) == 20
@@ -291,6 +306,22 @@ async def test_bad_input_fails_that_request_only(engine):
     with pytest.raises(ValidationError):
         SamplingParams(max_new_tokens=0)
     assert len((await good).output_ids) == 20
+
+
+async def test_a_failed_step_fails_its_requests_only(engine, monkeypatch):
+    real_step = engine._runner.step
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return real_step(plan)
+
+    monkeypatch.setattr(engine._runner, "step", flaky)
+    with pytest.raises(EngineError, match="simulated device fault"):
+        await engine.generate(req([1, 2], n=3))
+    assert len((await engine.generate(req([1, 2], n=3))).output_ids) == 3
 
 
 async def test_closed_engine_refuses(engine):

@@ -22,6 +22,7 @@ from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.keys import episode_key
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.api.app import create_app
+from agentflow.api.routes.chat import turn_tree
 from agentflow.config import Settings
 from agentflow.db.models import Run
 from agentflow.db.turn_tree import TurnTree
@@ -95,7 +96,7 @@ class Gateway:
 
     @property
     def turns(self) -> TurnTree:
-        return TurnTree(self.app.state.sessionmaker)
+        return turn_tree(self.app)  # the gateway's own, so writes queue with its writers
 
     def key(self, episode_id: uuid.UUID) -> str:
         return episode_key(episode_id, self.settings.secret_key)

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from agentflow.agents.base import EpisodeHandle
+from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.blackbox import ContainerAgent, HttpAgent
 from envs.base import Observation, ToolCallsAction
 from envs.builtin.lookup import LookupEnv, oracle
@@ -49,8 +49,14 @@ def service_agent(brief: dict[str, Any]) -> None:
             step.raise_for_status()
             observation = Observation.model_validate(step.json()["observation"])
             history.append(observation)
-            calls = [{"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": json.dumps(c.arguments)}} for c in action.calls]
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in action.calls
+            ]
             messages.append({"role": "assistant", "content": None, "tool_calls": calls})
             messages += [m.model_dump(exclude_none=True) for m in observation.messages]
 
@@ -130,9 +136,7 @@ def test_http_agent_completes_with_the_env_reward(gateway, run_id, runtime, agen
     trajectories = finish(gateway, episode, outcome)
     assert [t.reward for t in trajectories] == [1.0]
     # Each of the agent's three model calls is a policy turn on that trajectory.
-    kinds = [
-        gateway.call(gateway.turns.turn(t)).kind for t in trajectories[0].turn_ids
-    ]
+    kinds = [gateway.call(gateway.turns.turn(t)).kind for t in trajectories[0].turn_ids]
     assert kinds == ["prompt", "policy", "env", "policy", "env", "policy"]
     assert episode.episode_id not in gateway.live and stuck.episode_id not in gateway.live
     # After the episode ends its key opens nothing.
@@ -153,7 +157,7 @@ def test_http_agent_unreachable_service_fails_the_episode(gateway, run_id, runti
     assert outcome.status == "failed" and "unreachable" in (outcome.error or "")
 
 
-CONTAINER_AGENT = r'''
+CONTAINER_AGENT = r"""
 import json, os, re, socket, sys, urllib.request
 import openai
 
@@ -192,7 +196,7 @@ for key in (person + ".friend", None):
         "type": "function", "function": {"name": "lookup", "arguments": arguments}}]})
     messages.append({"role": "tool", "tool_call_id": "c1", "content": friend})
 print("answer: " + pet)
-'''
+"""
 
 
 def test_container_agent_completes_with_the_env_reward(gateway, run_id, runtime):
@@ -203,8 +207,7 @@ def test_container_agent_completes_with_the_env_reward(gateway, run_id, runtime)
             ["/usr/bin/python3", "/work/agent.py"],
             gateway.live,
             files={"agent.py": CONTAINER_AGENT},
-            environment={"PYTHONPATH": SITE_PACKAGES,
-                         "PROBE_PORT": str(probe.getsockname()[1])},
+            environment={"PYTHONPATH": SITE_PACKAGES, "PROBE_PORT": str(probe.getsockname()[1])},
             ro_binds=[SITE_PACKAGES],
             deadline_s=120,
         )
@@ -264,3 +267,33 @@ def test_http_agent_with_an_external_reward(gateway, run_id, runtime, agent_serv
     outcome = gateway.call(agent.run(episode))
     assert (outcome.status, outcome.reward) == ("completed", 0.25)
     assert [t.reward for t in finish(gateway, episode, outcome)] == [0.25]
+
+
+def test_budget_refuses_more_turns_and_truncates(gateway, run_id, runtime, agent_service):
+    seen: list[str] = []
+
+    def chatty_agent(brief: dict[str, Any]) -> None:
+        auth = {"Authorization": f"Bearer {brief['api_key']}"}
+        messages = list(brief["messages"])
+        with openai.OpenAI(
+            base_url=brief["base_url"], api_key=brief["api_key"], max_retries=0
+        ) as client:
+            try:
+                for _ in range(5):
+                    answer = client.chat.completions.create(model="m", messages=messages)
+                    messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+                    messages.append({"role": "user", "content": "go on"})
+            except openai.ConflictError as exc:
+                seen.append(str(exc.code))
+        httpx.post(brief["callback_url"], json={"status": "completed"}, headers=auth)
+
+    agent = HttpAgent(agent_service(chatty_agent), gateway.live, deadline_s=60)
+    episode = handle(gateway, run_id, runtime, 9)
+    episode.budget = Budget(max_turns=2, max_tokens=4096)
+    outcome = gateway.call(agent.run(episode))
+    assert outcome.status == "truncated" and outcome.error == "turn budget (2) reached"
+    assert seen == ["budget_exhausted"]
+    leaves = gateway.call(gateway.turns.leaves(episode.episode_id))
+    assert len(leaves) == 1  # the refused request recorded nothing
+    path = gateway.call(gateway.turns.path(leaves[0].id))
+    assert [t.kind for t in path] == ["prompt", "policy", "env", "policy"]

@@ -129,6 +129,9 @@ def test_callbacks_need_a_running_agent(gateway, run_id) -> None:
     other = gateway.key(gateway.new_episode(run_id))
     assert post(gateway, f"{base}/reward", other, {"reward": 1.0}).status_code == 401
     ghost = uuid.uuid4()
-    assert post(
-        gateway, f"/v1/episodes/{ghost}/reward", gateway.key(ghost), {"reward": 1.0}
-    ).status_code == 404
+    assert (
+        post(
+            gateway, f"/v1/episodes/{ghost}/reward", gateway.key(ghost), {"reward": 1.0}
+        ).status_code
+        == 404
+    )

@@ -4,16 +4,22 @@ multi-turn tool-calling agent through a real gateway on loopback (tiny LocalEngi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
+from agentflow.agents.runtime import PolicyRuntime
+from agentflow.inference.base import SamplingParams
+from agentflow.tokenization.chat import ByteChatTemplate
 from agentflow.types import StoredTurn
 from envs.base import Observation, ToolCallsAction
 from envs.builtin.lookup import LookupEnv, oracle
+from tests.integration.agents.blackbox.conftest import TINY
 
 pytestmark = pytest.mark.integration
 
@@ -186,3 +192,93 @@ async def test_recording_and_branching_on_postgresql(pg_stack) -> None:
     assert [t.id for t in branch[:2]] == [t.id for t in path[:2]]
     assert branch[2].id != path[2].id
     assert gateway.call(gateway.turns.path(turn_of(answers[-1]))) == path
+
+
+@pytest.fixture(scope="module")
+def tool_calling_run(gateway, engine) -> Iterator[tuple[uuid.UUID, str]]:
+    """A run whose tiny model was taught (a few dozen steps of teacher forcing on one
+    sequence) to answer this episode's first request with a real `lookup` call."""
+    import torch
+
+    from agentflow.inference.local import LocalEngine
+    from agentflow.modeling import build_model
+
+    env = LookupEnv(hops=2)
+    first = asyncio.run(env.reset(seed=7))
+    person = env.question.split("does ")[1].split("'s")[0]
+    messages = [SYSTEM, *dump(first.observation.messages)]
+    template = ByteChatTemplate()
+    prompt = template.render(messages, tools=env.tools()).token_ids
+    call = json.dumps({"name": "lookup", "arguments": {"key": f"{person}.friend"}})
+    target = [*template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>",
+                                         allow_special=True), template.tokenizer.end_id]
+    torch.manual_seed(0)
+    model = build_model(TINY, seed=0)
+    ids = torch.tensor([prompt + target])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.02:
+            break
+    local = LocalEngine(model.eval(), max_context=TINY.max_context)
+    runtime = PolicyRuntime(
+        engine=local,
+        template=template,
+        model_name="tool-caller",
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=64),
+        max_context=TINY.max_context,
+    )
+    yield gateway.new_run(runtime), f"{person}.friend"
+    gateway.call(local.close())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_model_made_tool_calls_round_trip(gateway, tool_calling_run, stream) -> None:
+    run, key = tool_calling_run
+    episode = gateway.new_episode(run)
+    env = LookupEnv(hops=2)
+    first = await env.reset(seed=7)
+    messages: list[dict[str, Any]] = [SYSTEM, *dump(first.observation.messages)]
+    async with client_for(gateway, episode) as client:
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="m", messages=messages, tools=env.tools(), stream=True)]
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            head = next(d.tool_calls[0] for d in deltas if d.tool_calls)
+            arguments = "".join(
+                tc.function.arguments or "" for d in deltas for tc in d.tool_calls or ()
+            )
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": head.id, "type": "function",
+                 "function": {"name": head.function.name, "arguments": arguments}}]}
+            turn_id = uuid.UUID(chunks[0].id.removeprefix("chatcmpl-"))
+        else:
+            answer = await client.chat.completions.create(
+                model="m", messages=messages, tools=env.tools()
+            )
+            finish = answer.choices[0].finish_reason
+            message = answer.choices[0].message.model_dump(exclude_none=True)
+            turn_id = turn_of(answer)
+        assert finish == "tool_calls"
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "lookup"
+        assert json.loads(call["function"]["arguments"]) == {"key": key}
+
+        # The agent runs the model's call on the env and sends the result back.
+        action = ToolCallsAction(calls=[{"id": call["id"], "name": "lookup",
+                                         "arguments": json.loads(call["function"]["arguments"])}])
+        result = await env.step(action)
+        messages += [message, *dump(result.observation.messages)]
+        assert messages[-1]["tool_call_id"] == call["id"]
+        follow = await client.chat.completions.create(
+            model="m", messages=messages, tools=env.tools()
+        )
+    path = gateway.call(gateway.turns.path(turn_of(follow)))
+    assert [t.kind for t in path] == ["prompt", "policy", "env", "policy"]
+    assert path[1].id == turn_id and path[1].finish_reason == "stop"
