@@ -32,6 +32,10 @@ class Settings(BaseSettings):
         default=1 << 20, ge=1024, description="requests with larger bodies get 422"
     )
     db_echo: bool = Field(default=False, description="log every SQL statement")
+    db_synchronous_commit: bool = Field(
+        default=False,
+        description="PostgreSQL: wait for the WAL fsync on every commit (see docs/decisions.md)",
+    )
     secret_key: str = Field(
         default=_DEV_SECRET,
         min_length=16,

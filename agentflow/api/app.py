@@ -36,7 +36,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_engine(settings.database_url, echo=settings.db_echo)
+        engine = create_engine(
+            settings.database_url,
+            echo=settings.db_echo,
+            synchronous_commit=settings.db_synchronous_commit,
+        )
         try:
             await ensure_schema_current(engine)  # refuse to serve a schema that is behind
             app.state.sessionmaker = session_factory(engine)

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import ConnectionPoolEntry
 
 
-def create_engine(url: str, *, echo: bool = False) -> AsyncEngine:
+def create_engine(url: str, *, echo: bool = False, synchronous_commit: bool = False) -> AsyncEngine:
     """An async engine; SQLite gets WAL and foreign keys, which it does not enable by default."""
     if url.startswith("sqlite"):
         engine = create_async_engine(url, echo=echo, connect_args={"timeout": 30})
@@ -30,8 +30,19 @@ def create_engine(url: str, *, echo: bool = False) -> AsyncEngine:
     # No pre-ping: it costs a round trip on every checkout, i.e. on every turn batch. A
     # connection broken by a database restart fails its one statement, and SQLAlchemy then
     # replaces the pool's connections (`pool_recycle` bounds their age anyway).
+    # Asynchronous commit by default: a commit returns before its WAL reaches the disk, so
+    # a turn batch does not wait for an fsync. A crash of the gateway loses nothing; a
+    # crash of the database server may lose the last fraction of a second of commits,
+    # whole transactions at a time (never a half-written episode).
+    settings = {"synchronous_commit": "on" if synchronous_commit else "off"}
     return create_async_engine(
-        url, echo=echo, pool_size=20, max_overflow=20, pool_pre_ping=False, pool_recycle=1800
+        url,
+        echo=echo,
+        pool_size=20,
+        max_overflow=20,
+        pool_pre_ping=False,
+        pool_recycle=1800,
+        connect_args={"server_settings": settings},
     )
 
 

@@ -73,33 +73,33 @@ class LlamaDecodeStep:
         n = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
-        h = inner.embed_tokens(ids)  # [n, 1, hidden]
-        cos, sin = inner.rotary_emb(h, position_ids=pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [n, 1, 1, dim]
+        # 2D activations [n, hidden] throughout: one token per row, no sequence axis.
+        h = inner.embed_tokens(ids[:, 0])
+        cos, sin = inner.rotary_emb(h, position_ids=pos)  # [n, 1, dim]: broadcasts over heads
         rows = torch.arange(n, device=ids.device)
         at = pos[:, 0]
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b, gate_up_w = self._fused[i]
-            x = _rms_norm(layer.input_layernorm, h)
-            qkv = F.linear(x, qkv_w, qkv_b)
-            q = qkv[..., :q_end].view(n, 1, heads, dim).transpose(1, 2)
-            k = qkv[..., q_end:k_end].view(n, 1, kv_heads, dim).transpose(1, 2)
-            v = qkv[..., k_end:].view(n, 1, kv_heads, dim).transpose(1, 2)
+            qkv = F.linear(_rms_norm(layer.input_layernorm, h), qkv_w, qkv_b)
+            q = qkv[:, :q_end].view(n, heads, dim)
+            k = qkv[:, q_end:k_end].view(n, kv_heads, dim)
+            v = qkv[:, k_end:].view(n, kv_heads, dim)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = kv.k[i], kv.v[i]
-            keys[rows, :, at] = k[:, :, 0].to(keys.dtype)
-            values[rows, :, at] = v[:, :, 0].to(values.dtype)
+            keys[rows, :, at] = k.to(keys.dtype)
+            values[rows, :, at] = v.to(values.dtype)
             keys, values = keys[:n, :, :kv_len], values[:n, :, :kv_len]
-            scores = torch.matmul(q.reshape(n, kv_heads, group, dim), keys.transpose(-1, -2))
+            # GQA: head h reads KV head h // group, so a group is a block of query rows.
+            scores = torch.matmul(q.view(n, kv_heads, group, dim), keys.transpose(-1, -2))
             scores = scores.mul_(attn.scaling).add_(mask)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(n, 1, heads * dim)
+            out = torch.matmul(probs, values).reshape(n, heads * dim)
             h = h + attn.o_proj(out)
             x = _rms_norm(layer.post_attention_layernorm, h)
             gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
         h = _rms_norm(inner.norm, h)
-        return self.model.lm_head(h[:, -1]).float()
+        return self.model.lm_head(h).float()

@@ -328,3 +328,19 @@ async def test_closed_engine_refuses(engine):
     await engine.close()
     with pytest.raises(EngineUnavailable):
         await engine.generate(req([1]))
+
+
+async def test_from_pretrained_serves_a_saved_checkpoint(tmp_path):
+    from agentflow.modeling import save_model
+
+    model = build_model(TINY, seed=4)
+    save_model(model, tmp_path / "ckpt")
+    eng = LocalEngine.from_pretrained(tmp_path / "ckpt", max_batch_size=4)
+    try:
+        info = await eng.info()
+        assert info.model == "ckpt" and info.max_context == TINY.max_context
+        res = await eng.generate(req([1, 2, 3], n=5, temp=0.8))
+        ref = score(model, [1, 2, 3] + res.output_ids, 0.8, start=3)
+        assert max(abs(a - b) for a, b in zip(ref, res.logprobs, strict=True)) <= TOL
+    finally:
+        await eng.close()
