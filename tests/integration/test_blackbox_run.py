@@ -4,9 +4,6 @@ official openai client, and the episodes complete with the env's reward."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +16,7 @@ from tests.integration.agents.blackbox.test_agent_kinds import (  # noqa: F401 (
     agent_service,
     service_agent,
 )
+from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
 
 pytestmark = pytest.mark.integration
@@ -31,24 +29,7 @@ def test_http_agent_run_through_the_api(
 ) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "AGENTFLOW_DATABASE_URL": sqlite_database, "AGENTFLOW_PUBLIC_URL": url}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "gateway did not start"
-            time.sleep(0.2)
+    with gateway_process(sqlite_database, tmp_path, port, AGENTFLOW_PUBLIC_URL=url):
         service = agent_service(service_agent)
         created = httpx.post(
             f"{url}/v1/runs",
@@ -71,6 +52,3 @@ def test_http_agent_run_through_the_api(
         assert [(e["status"], e["reward"]) for e in episodes] == [("completed", 1.0)] * 2
         tree = httpx.get(f"{url}/v1/episodes/{episodes[0]['id']}").json()
         assert tree["trajectories"] and tree["roots"][0]["kind"] == "prompt"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -24,12 +24,16 @@ LIVE = ("pending", "running")
 
 
 @contextmanager
-def _gateway(database_url: str, cwd: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def gateway_process(
+    database_url: str, cwd: Path, port: int, **extra_env: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`agentflow serve` on `port`, healthy when entered, terminated when left."""
     env = {
         **os.environ,
         "AGENTFLOW_DATABASE_URL": database_url,
         "AGENTFLOW_ENV_MODULES": "tests.integration.rollout",  # the scripted envs' module
         "PYTHONPATH": str(Path(__file__).parents[2]),
+        **extra_env,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
@@ -77,7 +81,7 @@ def test_sigkill_mid_run_loses_nothing(empty_pg_url: str, tmp_path: Path) -> Non
     migrate.upgrade(empty_pg_url)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with _gateway(empty_pg_url, tmp_path, port) as proc:
+    with gateway_process(empty_pg_url, tmp_path, port) as proc:
         env = httpx.post(
             f"{url}/v1/envs",
             json={
@@ -113,7 +117,7 @@ def test_sigkill_mid_run_loses_nothing(empty_pg_url: str, tmp_path: Path) -> Non
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
 
-    with _gateway(empty_pg_url, tmp_path, port):
+    with gateway_process(empty_pg_url, tmp_path, port):
         after = {e["id"]: e for e in _episodes(url, run_id)}
         for episode_id, turns in before.items():
             assert turns <= _turn_ids(url, episode_id), "a persisted turn was lost"
