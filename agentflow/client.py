@@ -128,11 +128,10 @@ class _Endpoints:
 
     @staticmethod
     def list_runs(
-        status: str | None = None, limit: int = 50, offset: int = 0
+        status: str | None = None, limit: int = 50, offset: int = 0, name: str | None = None
     ) -> _Call[Page[RunPublic]]:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
-        if status is not None:
-            params["status"] = status
+        params |= {k: v for k, v in {"status": status, "name": name}.items() if v is not None}
         return _Call("GET", "/v1/runs", Page[RunPublic].model_validate, params=params)
 
     @staticmethod
@@ -212,9 +211,9 @@ class Client:
         return self._send(_Endpoints.control_run(run_id, "stop"))
 
     def list_runs(
-        self, status: str | None = None, limit: int = 50, offset: int = 0
+        self, status: str | None = None, limit: int = 50, offset: int = 0, name: str | None = None
     ) -> Page[RunPublic]:
-        return self._send(_Endpoints.list_runs(status, limit, offset))
+        return self._send(_Endpoints.list_runs(status, limit, offset, name))
 
     def get_run(self, run_id: uuid.UUID | str) -> RunPublic:
         return self._send(_Endpoints.get_run(run_id))
@@ -297,9 +296,9 @@ class AsyncClient:
         return await self._send(_Endpoints.control_run(run_id, "stop"))
 
     async def list_runs(
-        self, status: str | None = None, limit: int = 50, offset: int = 0
+        self, status: str | None = None, limit: int = 50, offset: int = 0, name: str | None = None
     ) -> Page[RunPublic]:
-        return await self._send(_Endpoints.list_runs(status, limit, offset))
+        return await self._send(_Endpoints.list_runs(status, limit, offset, name))
 
     async def get_run(self, run_id: uuid.UUID | str) -> RunPublic:
         return await self._send(_Endpoints.get_run(run_id))

@@ -53,31 +53,44 @@ _INT32_MAX = 2**31 - 1
 _MAX_FINISH_REASON = 16  # the column width
 
 
-def _int_array(values: Sequence[int], name: str, *, low: int) -> np.ndarray:
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{name} must be a flat list of integers", field=name) from exc
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidInput(f"{name} must be a flat list of integers", field=name)
-    if arr.size and (int(arr.min()) < low or int(arr.max()) > _INT32_MAX):
+# Python floats at or past this round to infinity as float32, the stored width.
+_FLOAT32_OVERFLOW = 3.4028235677973366e38
+
+
+def _ints(values: Sequence[int], name: str, *, low: int) -> tuple[int, ...]:
+    """`values` as a tuple of ints in [low, INT32_MAX]. Plain Python ints (what engines
+    and templates produce) are checked without numpy: this runs twice per turn."""
+    if isinstance(values, list | tuple) and all(type(v) is int for v in values):
+        out = tuple(values)
+    else:
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"{name} must be a flat list of integers", field=name) from exc
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidInput(f"{name} must be a flat list of integers", field=name)
+        out = tuple(arr.tolist())
+    if out and (min(out) < low or max(out) > _INT32_MAX):
         raise InvalidInput(f"{name} must lie in [{low}, {_INT32_MAX}]", field=name)
-    return arr
+    return out
 
 
-def _float_array(values: Sequence[float], name: str) -> np.ndarray:
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{name} must be a flat list of numbers", field=name) from exc
-    if arr.ndim != 1:
-        raise InvalidInput(f"{name} must be a flat list of numbers", field=name)
-    # Stored as float32: a value that overflows float32 is as bad as a NaN.
-    with np.errstate(over="ignore"):
-        finite = bool(np.isfinite(arr.astype(np.float32)).all())
-    if not finite:
+def _floats(values: Sequence[float], name: str) -> tuple[float, ...]:
+    """`values` as a tuple of floats that are finite in float32 (the stored width)."""
+    if isinstance(values, list | tuple) and all(type(v) is float for v in values):
+        out = tuple(values)
+    else:
+        try:
+            arr = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"{name} must be a flat list of numbers", field=name) from exc
+        if arr.ndim != 1:
+            raise InvalidInput(f"{name} must be a flat list of numbers", field=name)
+        out = tuple(arr.tolist())
+    # NaN fails both comparisons; a value that overflows float32 is as bad as a NaN.
+    if not all(-_FLOAT32_OVERFLOW < v < _FLOAT32_OVERFLOW for v in out):
         raise InvalidInput(f"{name} must be finite float32 values", field=name)
-    return arr
+    return out
 
 
 def _check_length(name: str, got: int, want: int) -> None:
@@ -110,10 +123,10 @@ class TurnRecord:
             raise InvalidInput(
                 f"kind must be one of {sorted(TURN_KINDS)}, got {self.kind!r}", field="kind"
             )
-        tokens = _int_array(self.token_ids, "token_ids", low=0)
-        n = int(tokens.size)
+        tokens = _ints(self.token_ids, "token_ids", low=0)
+        n = len(tokens)
         set_ = object.__setattr__  # frozen: normalize once, here
-        set_(self, "token_ids", tuple(tokens.tolist()))
+        set_(self, "token_ids", tokens)
 
         if self.kind == "policy":
             if self.logprobs is None or self.weight_versions is None:
@@ -121,12 +134,12 @@ class TurnRecord:
                     "a policy turn needs logprobs and weight_versions",
                     field="logprobs" if self.logprobs is None else "weight_versions",
                 )
-            lp = _float_array(self.logprobs, "logprobs")
-            _check_length("logprobs", int(lp.size), n)
-            versions = _int_array(self.weight_versions, "weight_versions", low=0)
-            _check_length("weight_versions", int(versions.size), n)
-            set_(self, "logprobs", tuple(lp.tolist()))
-            set_(self, "weight_versions", tuple(versions.tolist()))
+            lp = _floats(self.logprobs, "logprobs")
+            _check_length("logprobs", len(lp), n)
+            versions = _ints(self.weight_versions, "weight_versions", low=0)
+            _check_length("weight_versions", len(versions), n)
+            set_(self, "logprobs", lp)
+            set_(self, "weight_versions", versions)
         else:
             for name in ("logprobs", "weight_versions"):
                 if getattr(self, name) is not None:
@@ -135,16 +148,16 @@ class TurnRecord:
         if self.loss_mask is None:
             set_(self, "loss_mask", (1 if self.kind == "policy" else 0,) * n)
         else:
-            mask = _int_array(self.loss_mask, "loss_mask", low=0)
-            _check_length("loss_mask", int(mask.size), n)
-            if mask.size and int(mask.max()) > 1:
+            mask = _ints(self.loss_mask, "loss_mask", low=0)
+            _check_length("loss_mask", len(mask), n)
+            if mask and max(mask) > 1:
                 raise InvalidInput("loss_mask entries must be 0 or 1", field="loss_mask")
-            if self.kind != "policy" and mask.any():
+            if self.kind != "policy" and any(mask):
                 raise InvalidInput(
                     "loss_mask may be 1 only on policy tokens (they alone have log-probs)",
                     field="loss_mask",
                 )
-            set_(self, "loss_mask", tuple(mask.tolist()))
+            set_(self, "loss_mask", mask)
 
         if self.text is not None and "\x00" in self.text:
             # PostgreSQL text cannot hold NUL; refuse it everywhere so both stores agree.

@@ -21,6 +21,11 @@ def build_template(config: RunConfig) -> ChatTemplate:
     """The checkpoint's own tokenizer and template, or the byte ones for a model this
     project built (from `model.init`, or saved with its `ModelInit` beside the weights)."""
     path = config.model.path
+    if path and not (Path(path) / "config.json").is_file():
+        raise InvalidInput(
+            f"no HF-format checkpoint at {path!r} (config.json missing)",
+            field=("body", "model", "path"),
+        )
     if not path or _built_here(Path(path)):
         return chat_template_for(ByteTokenizer())
     return chat_template_for(load_tokenizer(path))

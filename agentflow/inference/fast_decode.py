@@ -2,9 +2,11 @@
 
 Decoding small models on CPU is dominated by per-call overhead, not arithmetic: the HF
 forward spends more time in kwargs plumbing, decorators and dispatch than in its tiny
-matmuls. This step calls the very same modules (norms, projections, MLP, rotary,
-`lm_head`) in the same order with the same formulas, and only drops the plumbing, so it
-matches the HF forward to float rounding. Other architectures use the generic HF path.
+matmuls. This step calls the very same weights (norms, projections, MLP, rotary,
+`lm_head`) in the same order with the same formulas, and only drops the plumbing and
+fuses neighbouring ops (q/k rotary in one pass, scale + mask inside the score matmul,
+residual adds inside the projections), so it matches the HF forward to float rounding.
+Other architectures use the generic HF path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch.nn.functional as F
 from agentflow.inference.kv_cache import SlotKV
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# Rotary types whose cos/sin depend on the position only, so a table can be cached;
+# the others (dynamic, longrope) rescale with the sequence length and are called per step.
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
 
 
 def supports(model: Any) -> bool:
@@ -36,9 +41,32 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class _Layer:
+    """One decoder layer's weights, fused where the step can use them fused."""
+
+    def __init__(self, layer: Any) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.scaling = float(a.scaling)
+        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        self.qkv_b = None
+        if a.q_proj.bias is not None:
+            self.qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        self.o_proj = a.o_proj
+        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up_b = None
+        if getattr(mlp.gate_proj, "bias", None) is not None:
+            self.gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.act_fn = mlp.act_fn
+        self.down_proj = mlp.down_proj
+
+
+def _add_linear(h: torch.Tensor, x: torch.Tensor, proj: Any) -> torch.Tensor:
+    """`h + proj(x)` in one addmm when `proj` has no bias."""
+    if proj.bias is None:
+        return torch.addmm(h, x, proj.weight.t())
+    return h + proj(x)
 
 
 class LlamaDecodeStep:
@@ -48,22 +76,36 @@ class LlamaDecodeStep:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self._layers: list[_Layer] = []
+        # cos and sin with the rotate-half sign folded in, per position: [positions, dim].
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+        rotary = model.model.rotary_emb
+        self._static_rope = getattr(rotary, "rope_type", "default") in _STATIC_ROPE
         self.refresh()
 
     def refresh(self) -> None:
-        """Rebuild the concatenated q/k/v and gate/up weights from the model's current ones."""
-        fused = []
+        """Rebuild the fused weights (and rotary table) from the model's current ones."""
         with torch.no_grad():
-            for layer in self.model.model.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-                bias = None
-                if a.q_proj.bias is not None:
-                    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                fused.append((qkv, bias, gate_up))
-        self._fused = fused
+            self._layers = [_Layer(layer) for layer in self.model.model.layers]
+        self._cos = self._sin = None
+
+    def _rotary(self, h: torch.Tensor, pos: torch.Tensor, kv_len: int) -> tuple[Any, Any]:
+        """cos, sin `[n, 1, dim]` for positions `pos` `[n, 1]`; sin's first half negated."""
+        rotary = self.model.model.rotary_emb
+        if not self._static_rope:
+            cos, sin = rotary(h, position_ids=pos)
+            return cos, _sign_sin(sin)
+        if self._cos is None or self._cos.shape[0] < kv_len:
+            # The table is the module's own output over all positions: elementwise, so
+            # identical to calling it per step. Grows in chunks like the slot KV.
+            size = max(kv_len, 2 * (self._cos.shape[0] if self._cos is not None else 128))
+            every = torch.arange(size, device=pos.device).unsqueeze(0)
+            cos, sin = rotary(h, position_ids=every)
+            self._cos, self._sin = cos[0].contiguous(), _sign_sin(sin[0]).contiguous()
+        at = pos[:, 0]
+        assert self._sin is not None
+        return self._cos[at].unsqueeze(1), self._sin[at].unsqueeze(1)
 
     def __call__(
         self, kv: SlotKV, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, kv_len: int
@@ -73,33 +115,51 @@ class LlamaDecodeStep:
         n = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
+        qk_heads = heads + kv_heads
         # 2D activations [n, hidden] throughout: one token per row, no sequence axis.
         h = inner.embed_tokens(ids[:, 0])
-        cos, sin = inner.rotary_emb(h, position_ids=pos)  # [n, 1, dim]: broadcasts over heads
-        rows = torch.arange(n, device=ids.device)
-        at = pos[:, 0]
-        q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        for i, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b, gate_up_w = self._fused[i]
-            qkv = F.linear(_rms_norm(layer.input_layernorm, h), qkv_w, qkv_b)
-            q = qkv[:, :q_end].view(n, heads, dim)
-            k = qkv[:, q_end:k_end].view(n, kv_heads, dim)
-            v = qkv[:, k_end:].view(n, kv_heads, dim)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+        cos, sin = self._rotary(h, pos, kv_len)
+        half = dim // 2
+        # Where row r, KV head j writes its new K/V in a layer's buffer viewed as
+        # [slots * kv_heads * capacity, dim]: one index_copy_ per tensor, shared by layers.
+        cap = kv.k[0].shape[2]
+        rows = torch.arange(n, device=ids.device).unsqueeze(1) * kv_heads
+        heads_idx = torch.arange(kv_heads, device=ids.device).unsqueeze(0)
+        write_idx = ((rows + heads_idx) * cap + pos).reshape(-1)
+        # Additive mask per (row, KV head) block, the batch layout of the score bmm.
+        mask3 = mask.reshape(n, 1, 1, kv_len).expand(n, kv_heads, 1, kv_len)
+        mask3 = mask3.reshape(n * kv_heads, 1, kv_len)
+        q_end = heads * dim
+        for i, layer in enumerate(self._layers):
+            qkv = F.linear(_rms_norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b)
+            # Rotary on q and k together: x * cos + rotate_half(x) * sin.
+            qk = qkv[:, : qk_heads * dim].view(n, qk_heads, dim)
+            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            qk = torch.addcmul(qk * cos, swapped, sin)
+            q = qk[:, :heads]
+            k = qk[:, heads:].reshape(n * kv_heads, dim)
+            v = qkv[:, q_end + kv_heads * dim :].reshape(n * kv_heads, dim)
             keys, values = kv.k[i], kv.v[i]
-            keys[rows, :, at] = k.to(keys.dtype)
-            values[rows, :, at] = v.to(values.dtype)
-            keys, values = keys[:n, :, :kv_len], values[:n, :, :kv_len]
+            flat_k = keys.view(-1, dim)
+            flat_v = values.view(-1, dim)
+            flat_k.index_copy_(0, write_idx, k.to(keys.dtype))
+            flat_v.index_copy_(0, write_idx, v.to(values.dtype))
+            keys = keys[:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
+            values = values[:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
             # GQA: head h reads KV head h // group, so a group is a block of query rows.
-            scores = torch.matmul(q.view(n, kv_heads, group, dim), keys.transpose(-1, -2))
-            scores = scores.mul_(attn.scaling).add_(mask)
+            q3 = q.reshape(n * kv_heads, group, dim).to(keys.dtype)
+            scores = torch.baddbmm(mask3, q3, keys.transpose(1, 2), alpha=layer.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(n, heads * dim)
-            h = h + attn.o_proj(out)
-            x = _rms_norm(layer.post_attention_layernorm, h)
-            gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            out = torch.bmm(probs, values).view(n, heads * dim).to(h.dtype)
+            h = _add_linear(h, out, layer.o_proj)
+            x = _rms_norm(layer.post_norm, h)
+            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            h = _add_linear(h, layer.act_fn(gate) * up, layer.down_proj)
         h = _rms_norm(inner.norm, h)
         return self.model.lm_head(h).float()
+
+
+def _sign_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2)`: fold the sign into sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)

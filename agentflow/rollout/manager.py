@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+from pydantic import ValidationError
 from sqlalchemy import select, update
 
 from agentflow.agents.base import Agent
@@ -56,8 +57,13 @@ class RunManager:
         """Build the run's engine and start admitting episodes."""
         if run_id in self.executors:
             raise Conflict(f"run {run_id} is already live")
-        sources = await resolve_env_sources(self.sessions, config.envs)
-        runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
+        try:
+            sources = await resolve_env_sources(self.sessions, config.envs)
+            runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
+        except Exception as exc:
+            # The run is stored: record why it never started rather than leave it pending.
+            await self._mark_failed(run_id, f"could not start: {type(exc).__name__}: {exc}")
+            raise
         self.runtimes.register(run_id, runtime)
         executor = RunExecutor(
             run_id,
@@ -140,15 +146,22 @@ class RunManager:
 
     async def _restart(self, run_id: uuid.UUID, config: dict[str, object], paused: bool) -> None:
         try:
-            await self.start(run_id, RunConfig.model_validate(config), paused=paused)
-        except Exception as exc:  # noqa: BLE001 - that run fails, the gateway serves on
+            run_config = RunConfig.model_validate(config)
+        except ValidationError as exc:
+            await self._mark_failed(run_id, f"its stored config is no longer valid: {exc}")
+            return
+        try:
+            await self.start(run_id, run_config, paused=paused)
+        except Exception:  # noqa: BLE001 - that run fails (recorded), the gateway serves on
             log.exception("recovery: run %s could not restart", run_id)
-            async with self.sessions.begin() as session:
-                await session.execute(
-                    update(Run)
-                    .where(Run.id == run_id)
-                    .values(status="failed", error=f"restart failed: {exc}", updated_at=_now())
-                )
+
+    async def _mark_failed(self, run_id: uuid.UUID, error: str) -> None:
+        async with self.sessions.begin() as session:
+            await session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(status="failed", error=error, updated_at=_now())
+            )
 
     async def shutdown(self) -> None:
         """Stop admitting and abort live episodes; runs keep their status for a restart."""

@@ -188,3 +188,14 @@ async def test_recovery_aborts_dangling_episodes_and_restarts_live_runs(
             await _until(finished)  # the run picked up where it was and played its episodes
             done = (await client.list_run_episodes(run.id, status="completed")).items
             assert len(done) == 2
+
+
+async def test_a_run_that_cannot_start_is_refused_and_recorded(gateway: Any) -> None:
+    api, raw = gateway
+    config = _config("agentflow/guess-number-v0")
+    config["model"] = {"path": "/nonexistent/checkpoint"}
+    response = await raw.post("/v1/runs", json=config)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "model", "path"]
+    (run,) = (await api.list_runs(name=config["name"])).items
+    assert run.status == "failed" and "config.json missing" in (run.error or "")
