@@ -37,8 +37,14 @@ def supports(model: Any) -> bool:
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """HF's `weight * (x * rsqrt(mean(x^2) + eps))` in float32; the mean of squares comes
+    from `vector_norm`, whose reduction kernel is several times cheaper than `mean` on
+    rows this short."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    xf = x.float()
+    r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    r = r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    return norm.weight * (xf * r).to(x.dtype)
 
 
 class _Layer:

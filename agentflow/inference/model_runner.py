@@ -132,12 +132,14 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev).unsqueeze(1)  # [n, 1]
         kv_len = max(positions) + 1
         self.kv.ensure(kv_len)
-        allowed = torch.arange(kv_len, device=dev).view(1, 1, -1) <= pos.unsqueeze(2)
         ids = torch.tensor(tokens, dtype=torch.long, device=dev).unsqueeze(1)
         if self._fast is not None:
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-            return self._fast(self.kv, ids, pos, mask.unsqueeze(1), kv_len)
+            # The same additive mask as `_forward` builds (0 allowed, dtype min not), in
+            # two ops: the step is short enough that each op counts.
+            future = torch.arange(kv_len, device=dev).unsqueeze(0) > pos  # [n, kv_len]
+            mask = torch.where(future, torch.finfo(self.dtype).min, 0.0).to(self.dtype)
+            return self._fast(self.kv, ids, pos, mask.view(n, 1, 1, kv_len), kv_len)
+        allowed = torch.arange(kv_len, device=dev).view(1, 1, -1) <= pos.unsqueeze(2)
         return self._forward(slice(0, n), ids, pos, pos, allowed, kv_len)
 
     def _prefill(self, first_row: int, joins: list[Join]) -> tuple[torch.Tensor, list[int]]:

@@ -20,15 +20,21 @@ def sample(
     n = logits.shape[0]
     logits = logits.float()
     device = logits.device
-    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    temp_list = [r.temperature for r in rows]
+    greedy_list = [t == 0 for t in temp_list]
+    all_greedy, any_greedy = all(greedy_list), any(greedy_list)
+    # Decisions on plain floats, not tensors: no per-step host round trip, fewer tiny ops.
+    if all(t == 1.0 or t == 0 for t in temp_list):
+        scaled = logits  # dividing by 1 is exact
+    else:
+        temps = torch.tensor(temp_list, dtype=torch.float32, device=device)
+        scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps).unsqueeze(1)
     logp = torch.log_softmax(scaled, dim=-1)
-    tokens = logp.argmax(dim=-1)
+    tokens = logp.argmax(dim=-1) if any_greedy else None
 
-    if not bool(greedy.all()):
-        probs = logp.exp()
+    if not all_greedy:
         top_ps = [r.top_p for r in rows]
+        probs = logp.exp()
         if any(p < 1.0 for p in top_ps):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             cum = sorted_p.cumsum(dim=-1)
@@ -42,8 +48,13 @@ def sample(
         # right=True skips zero-probability entries; u < 1 keeps the index in range.
         idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)
         idx = idx.clamp_(max=logits.shape[1] - 1)
-        drawn = idx if order is None else order.gather(1, idx)
-        tokens = torch.where(greedy, tokens, drawn.squeeze(1))
+        drawn = (idx if order is None else order.gather(1, idx)).squeeze(1)
+        if tokens is None:
+            tokens = drawn
+        else:
+            greedy = torch.tensor(greedy_list, device=device)
+            tokens = torch.where(greedy, tokens, drawn)
+    assert tokens is not None
 
     # Greedy rows report the unscaled log_softmax, which `logp` already is for them (T := 1).
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -53,6 +64,8 @@ def sample(
 
 def _uniforms(rows: list[RowSampling], shared: torch.Generator) -> torch.Tensor:
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        return torch.rand(len(rows), generator=shared)  # the same draws as the loop below
     u = torch.empty(len(rows), dtype=torch.float32)
     if unseeded:
         u[unseeded] = torch.rand(len(unseeded), generator=shared)
