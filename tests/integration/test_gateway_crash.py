@@ -89,7 +89,10 @@ def test_sigkill_mid_run_loses_nothing(empty_pg_url: str, tmp_path: Path) -> Non
                 "kind": "python",
                 "spec": {
                     "entry_point": "tests.integration.rollout.scripted_envs:SlowEnv",
-                    "kwargs": {"delay": 0.2, "steps": 4},
+                    "kwargs": {
+                        "delay": 1.0,
+                        "steps": 3,
+                    },  # long enough that the kill finds some live
                 },
             },
         )
