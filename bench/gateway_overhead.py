@@ -17,7 +17,8 @@ import os
 import statistics
 import time
 import uuid
-from typing import Any
+
+from scripted_env import DelayEnv  # bench/ is on sys.path when run as a script
 
 from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
@@ -36,7 +37,7 @@ from agentflow.inference.base import (
     WeightUpdate,
 )
 from agentflow.tokenization.chat import ByteChatTemplate
-from envs.base import Action, Message, Observation, StepResult, TextAction
+from envs.base import TextAction
 
 TEMPLATE = ByteChatTemplate()
 REPLY = TEMPLATE.tokenizer.encode("guess 8") + [TEMPLATE.tokenizer.end_id]
@@ -82,35 +83,9 @@ class InstantEngine:
         return None
 
 
-class TrivialEnv:
-    """Answers every action with one short message; ends after `steps` steps."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.taken = steps, 0
-
-    async def reset(self, seed: int | None = None, options: Any = None) -> StepResult:
-        self.taken = 0
-        return StepResult(observation=Observation(messages=[Message(role="user", content="go")]))
-
-    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
-        self.taken += 1
-        done = self.taken >= self.steps
-        reply = Message(role="user", content="lower")
-        return StepResult(observation=Observation(messages=[reply]), terminated=done, reward=1.0)
-
-    async def state(self) -> dict[str, Any]:
-        return {}
-
-    def tools(self) -> list[dict[str, Any]]:
-        return []
-
-    async def close(self) -> None:
-        return None
-
-
 async def direct_episode(engine: InstantEngine, turns: int) -> list[float]:
     """The same work without the gateway: engine and env called in a bare loop."""
-    env = TrivialEnv(turns)
+    env = DelayEnv(0.0, turns)
     first = await env.reset()
     pending = TEMPLATE.render([m.model_dump() for m in first.observation.messages]).token_ids
     session = await engine.open_session()
@@ -137,7 +112,7 @@ async def gateway_episode(turns_store: TurnTree, runtime: PolicyRuntime, turns: 
     handle = EpisodeHandle(
         episode_id=episode_id,
         run_id=None,
-        env=TrivialEnv(turns),
+        env=DelayEnv(0.0, turns),
         runtime=runtime,
         turns=turns_store,
         budget=Budget(max_turns=turns, max_tokens=1 << 20),

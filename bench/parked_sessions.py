@@ -18,7 +18,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from scripted_env import DelayEnv  # bench/ is on sys.path when run as a script
 
 from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
@@ -30,31 +31,6 @@ from agentflow.inference.base import SamplingParams
 from agentflow.inference.local import LocalEngine
 from agentflow.modeling import ModelInit
 from agentflow.tokenization.chat import ByteChatTemplate
-from envs.base import Action, Message, Observation, StepResult
-
-
-class DelayEnv:
-    def __init__(self, delay: float, steps: int) -> None:
-        self.delay, self.steps, self.taken = delay, steps, 0
-
-    async def reset(self, seed: int | None = None, options: Any = None) -> StepResult:
-        return StepResult(observation=Observation(messages=[Message(role="user", content="go")]))
-
-    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
-        await asyncio.sleep(self.delay)
-        self.taken += 1
-        done = self.taken >= self.steps
-        msg = Message(role="user", content="more")
-        return StepResult(observation=Observation(messages=[msg]), terminated=done, reward=1.0)
-
-    async def state(self) -> dict[str, Any]:
-        return {}
-
-    def tools(self) -> list[dict[str, Any]]:
-        return []
-
-    async def close(self) -> None:
-        return None
 
 
 async def measure(args: argparse.Namespace, url: str, slow: int) -> dict[str, float]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentflow.errors import SchemaOutOfDate
-from alembic import command
 
 # The migrations live beside the package in the source tree (`alembic/` at the top level).
 ALEMBIC_DIR = Path(__file__).resolve().parents[2] / "alembic"
