@@ -84,11 +84,40 @@ class AgentConfig(_Section):
 
 class RolloutConfig(_Section):
     group_size: int = Field(default=8, ge=1, le=1024, description="samples per task")
-    max_staleness: int = Field(default=2, ge=0, description="versions a token may lag")
-    max_reuse: int = Field(default=1, ge=1, description="times a trajectory may be served")
-    partial_rollout: bool = Field(default=True, description="resume interrupted requests")
-    stale_policy: Literal["drop", "downweight"] = Field(default="drop")
+    max_staleness: int = Field(
+        default=2, ge=0, le=1000, description="versions a token may lag the trainer's policy"
+    )
+    wait_for_trainer: bool = Field(
+        default=True,
+        description="admit at most (max_staleness + 1) * trainer.batch_episodes episodes ahead "
+        "of the trainer's version; false: collect without a trainer (no bound)",
+    )
+    max_reuse: int = Field(
+        default=1, ge=1, le=100, description="times a trajectory may be trained on (replay)"
+    )
+    partial_rollout: bool = Field(
+        default=True,
+        description="a weight update interrupts running generations, which then continue "
+        "with their partial output; false: the update waits for them to finish",
+    )
+    interrupt: Literal["retract", "abort"] = Field(
+        default="retract",
+        description="how an update interrupts (partial rollout): retract keeps requests "
+        "queued in the engine, abort ends them and the gateway resubmits the rest",
+    )
+    stale_policy: Literal["drop", "downweight"] = Field(
+        default="drop", description="what happens to a trajectory past max_staleness"
+    )
+    lease_s: float = Field(
+        default=600.0, gt=0, le=86_400, description="how long a trainer's lease lasts"
+    )
     max_concurrency: int = Field(default=256, ge=1, description="live episodes in total")
+    elastic: bool = Field(
+        default=False,
+        description="adapt live episodes to measured engine load and env latency, "
+        "between min_concurrency and max_concurrency",
+    )
+    min_concurrency: int = Field(default=4, ge=1, description="elastic pool floor")
     max_episodes: int | None = Field(
         default=None, ge=1, description="stop after this many episodes; None: until stopped"
     )
@@ -98,6 +127,12 @@ class RolloutConfig(_Section):
     park_after_s: float | None = Field(
         default=5.0, ge=0, description="release a waiting session's KV after this; None: never"
     )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RolloutConfig:
+        if self.elastic and self.min_concurrency > self.max_concurrency:
+            raise ValueError("min_concurrency must not exceed max_concurrency")
+        return self
 
 
 class TrainerConfig(_Section):

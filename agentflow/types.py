@@ -44,7 +44,10 @@ FINAL_EPISODE_STATUSES: frozenset[str] = frozenset({"completed", "truncated", "f
 # Only these produce trajectories; a failed or aborted episode is never trained on.
 TRAINABLE_EPISODE_STATUSES: frozenset[str] = frozenset({"completed", "truncated"})
 
-TrajectoryStatus = Literal["ready", "leased", "consumed"]
+# ready: servable (fresh, or replayable while times_served < max_reuse); leased: out to a
+# trainer; consumed: served max_reuse times; stale: past the staleness bound, dropped;
+# rejected: the trainer refused it (its error is recorded).
+TrajectoryStatus = Literal["ready", "leased", "consumed", "stale", "rejected"]
 
 NO_VERSION = -1  # weight version of a token the policy did not sample
 NON_POLICY_LOGPROB = 0.0  # placeholder log-prob of such a token (its loss mask is 0)
@@ -309,6 +312,8 @@ class Trajectory:
     logprobs: tuple[float, ...]
     loss_mask: tuple[int, ...]
     weight_versions: tuple[int, ...]
+    lease_id: str | None = None  # the lease it was served under (acknowledge with it)
+    loss_weight: float = 1.0  # < 1 when served past the staleness bound (`downweight`)
 
     def staleness(self, current_version: int) -> int | None:
         """`current_version - min(token versions)` (DESIGN §6); None without policy tokens."""

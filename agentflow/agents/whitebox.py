@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentflow.agents.base import EpisodeHandle, EpisodeOutcome
+from agentflow.agents.runtime import PolicyRuntime
 from agentflow.errors import AgentFlowError
 from agentflow.inference.base import Engine, GenerateRequest, GenerateResult, SessionRef
 from agentflow.metrics import GatewayMetrics
@@ -102,7 +103,7 @@ class WhiteBoxAgent:
             if session.parked:  # KV released while the env worked: recompute from the record
                 await session.open()
                 pending = list(context)
-            result, timings = await self._generate(session, pending, room, runtime.sampling)
+            result, timings = await self._generate(runtime, session, pending, room)
             parent = await self._record(
                 writes,
                 parent,
@@ -147,9 +148,10 @@ class WhiteBoxAgent:
         return EpisodeOutcome("truncated", reward_total, limit)
 
     async def _generate(
-        self, session: _Session, input_ids: Sequence[int], room: int, sampling: Any
+        self, runtime: PolicyRuntime, session: _Session, input_ids: Sequence[int], room: int
     ) -> tuple[GenerateResult, dict[str, float]]:
         assert session.session_id is not None
+        sampling = runtime.sampling
         params = sampling.model_copy(
             update={"max_new_tokens": max(1, min(sampling.max_new_tokens, room))}
         )
@@ -161,7 +163,7 @@ class WhiteBoxAgent:
             routing_key=session.session_id,
         )
         started = time.perf_counter()
-        result = await session.engine.generate(request)
+        result = await runtime.generate(request)  # continued across weight updates
         wall = time.perf_counter() - started
         session.last_rid = request.rid
         if self.metrics is not None:

@@ -164,7 +164,12 @@ class Trajectory(Base):
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="ready")
     lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    times_served: Mapped[int] = mapped_column(Integer, default=0)
+    # The latest lease; kept after it expires so a trainer that committed a step with it
+    # can still acknowledge it, and cleared by the acknowledgement (which makes a repeated
+    # ack a no-op).
+    lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    times_served: Mapped[int] = mapped_column(Integer, default=0)  # acknowledged trainings
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why it was rejected
     min_weight_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -84,6 +84,22 @@ class TurnTree:
         self._write_lock = asyncio.Lock()
         self._batcher = TurnBatcher(self.add_turns)
         self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
+        self._added: asyncio.Event | None = None  # replaced each time trajectories appear
+
+    def write_transaction(self) -> contextlib.AbstractAsyncContextManager[AsyncSession]:
+        """A write transaction, queued like this repository's own (for the trajectory stream)."""
+        return self._write()
+
+    def trajectories_added(self) -> asyncio.Event:
+        """An event set the next time this process creates trajectories."""
+        if self._added is None:
+            self._added = asyncio.Event()
+        return self._added
+
+    def _announce(self) -> None:
+        if self._added is not None:
+            self._added.set()
+            self._added = None
 
     @contextlib.asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncSession]:
@@ -389,6 +405,8 @@ class TurnTree:
                     await session.execute(insert(_trajectories), rows)
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, turns, exc) from exc
+        if rows:
+            self._announce()
         return [row["id"] for row in rows]
 
     async def trajectories(self, trajectory_ids: Sequence[uuid.UUID]) -> list[TrajectoryView]:
@@ -423,6 +441,7 @@ class TurnTree:
                 times_served=row.times_served,
                 min_weight_version=row.min_weight_version,
                 created_at=turn_rows.aware(row.created_at),
+                lease_id=row.lease_id,
                 **{f.name: getattr(context, f.name) for f in fields(Context)},
             )
         return [built[t] for t in trajectory_ids]

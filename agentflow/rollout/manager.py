@@ -21,11 +21,12 @@ from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
 from agentflow.db.models import Episode, Run
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict
-from agentflow.inference.base import SamplingParams
+from agentflow.errors import Conflict, NotFound
+from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.envs import resolve_env_sources
 from agentflow.rollout.executor import RunExecutor
+from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
 from agentflow.types import OPEN_EPISODE_STATUSES
 
@@ -51,6 +52,7 @@ class RunManager:
         self.runtimes = runtimes
         self.settings = settings
         self.executors: dict[uuid.UUID, RunExecutor] = {}
+        self._streams: dict[uuid.UUID, DbTrajectoryStream] = {}
         self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
 
     async def start(self, run_id: uuid.UUID, config: RunConfig, *, paused: bool = False) -> None:
@@ -77,7 +79,39 @@ class RunManager:
             on_finish=self._finished,
         )
         self.executors[run_id] = executor
+        self._streams[run_id] = stream = self._stream_for(run_id, config)
+        stream.on_group_dropped(executor.refund_group)
         await executor.start(paused=paused)
+
+    def _stream_for(self, run_id: uuid.UUID, config: RunConfig) -> DbTrajectoryStream:
+        rollout = config.rollout
+        return DbTrajectoryStream(
+            self.turns,
+            run_id,
+            group_size=rollout.group_size,
+            max_staleness=rollout.max_staleness if rollout.wait_for_trainer else None,
+            max_reuse=rollout.max_reuse,
+            stale_policy=rollout.stale_policy,
+            lease_s=rollout.lease_s,
+        )
+
+    async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
+        """The run's trajectory stream; a finished run's stored config still serves one."""
+        stream = self._streams.get(run_id)
+        if stream is not None:
+            return stream
+        async with self.sessions() as session:
+            stored = await session.scalar(select(Run.config).where(Run.id == run_id))
+        if stored is None:
+            raise NotFound(f"run {run_id} not found")
+        stream = self._stream_for(run_id, RunConfig.model_validate(stored))
+        self._streams[run_id] = stream
+        return stream
+
+    async def update_weights(self, run_id: uuid.UUID, update: WeightUpdate) -> int:
+        """Switch a live run's engine to new weights (see `RunExecutor.update_weights`)."""
+        executor = await self.live(run_id)
+        return await executor.update_weights(update)
 
     def _agent(self, config: RunConfig) -> Agent:
         if config.agent.type == "whitebox":
@@ -187,7 +221,15 @@ def _build_runtime(config: RunConfig) -> PolicyRuntime:
         max_new_tokens=config.agent.max_new_tokens,
         stop_token_ids=template.stop_ids,
     )
-    return PolicyRuntime(engine, template, config.name, sampling, max_context)
+    return PolicyRuntime(
+        engine,
+        template,
+        config.name,
+        sampling,
+        max_context,
+        partial_rollout=config.rollout.partial_rollout,
+        interrupt=PauseMode(config.rollout.interrupt),
+    )
 
 
 def _now() -> datetime:

@@ -171,7 +171,7 @@ class ChatProxy:
         rid = turn_id.hex
         base = GenerateRequest(input_ids=tuple(context), sampling=sampling, rid=rid)
         if session is None:
-            return await runtime.engine.generate(base)
+            return await runtime.generate(base)
         offset = held = 0
         parent: uuid.UUID | None = None
         for node in path:
@@ -186,11 +186,11 @@ class ChatProxy:
                 }
             )
             try:
-                return await runtime.engine.generate(continued)
+                return await runtime.generate(continued)
             except EngineRequestError:
                 state.session_rids.discard(parent)  # lost or evicted: recompute below
         fresh = base.model_copy(update={"session": SessionRef(session_id=session)})
-        return await runtime.engine.generate(fresh)
+        return await runtime.generate(fresh)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""`/v1/runs/{id}/trajectories/lease|ack|reject`: the trajectory stream over HTTP.
+
+The split form's trainer (`agentflow trainer --gateway URL`) leases and acknowledges
+through these; they run the same `DbTrajectoryStream` code as the embedded trainer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentflow.api.deps import RunManagerDep
+
+router = APIRouter(prefix="/v1/runs/{run_id}/trajectories", tags=["trajectory stream"])
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_n: int = Field(ge=1, le=4096, description="at most this many trajectories")
+    timeout_s: float = Field(default=0.0, ge=0, le=60, description="wait this long for one")
+
+
+class AckRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[uuid.UUID] = Field(max_length=100_000, description="trajectories trained on")
+    lease_id: str | None = Field(
+        default=None, max_length=32, description="the lease they came with; None: the latest"
+    )
+
+
+class RejectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: uuid.UUID
+    lease_id: str | None = Field(default=None, max_length=32)
+    error: str = Field(min_length=1, max_length=10_000, description="why the trainer refused it")
+
+
+@router.post("/lease")
+async def lease(run_id: uuid.UUID, body: LeaseRequest, manager: RunManagerDep) -> dict[str, Any]:
+    stream = await manager.stream(run_id)
+    served = await stream.pull(body.max_n, body.timeout_s)
+    return {"trajectories": [asdict(t) for t in served]}
+
+
+@router.post("/ack")
+async def ack(run_id: uuid.UUID, body: AckRequest, manager: RunManagerDep) -> dict[str, int]:
+    stream = await manager.stream(run_id)
+    return {"acked": await stream.ack(body.ids, body.lease_id)}
+
+
+@router.post("/reject", status_code=204)
+async def reject(run_id: uuid.UUID, body: RejectRequest, manager: RunManagerDep) -> None:
+    stream = await manager.stream(run_id)
+    await stream.reject(body.id, body.lease_id, body.error)

@@ -1,0 +1,392 @@
+"""The trajectory stream (DESIGN §4): how completed trajectories reach the trainer.
+
+The database is the source of truth, so nothing is lost when either side dies:
+- `pull(max_n, timeout)` leases up to `max_n` trajectories for `lease_s`: whole groups
+  (a task's samples go together, for group-normalized advantages), only groups whose
+  episodes have all finished, oldest first. Fresh trajectories always come first;
+  replays (ReFlow) fill in only when fresh ones are short, each trajectory at most
+  `max_reuse` times and only while inside the staleness bound.
+- `ack(ids, lease_id)` records that the trainer's step with them committed. It counts
+  once per lease: a repeated ack is a no-op, and an ack after the lease expired still
+  counts (a trainer that committed its step and died before acknowledging acks its
+  checkpointed batch on restart), as long as nobody leased the trajectory since.
+- A lease that expires unacknowledged makes its trajectories servable again.
+- Staleness is `trainer version - min(token versions)`; past `max_staleness` a
+  trajectory is dropped (status `stale`) or served with `loss_weight =
+  1 / (1 + excess)` (`downweight`), and counted either way.
+- `reject(id, lease_id, error)` records why the trainer refused a trajectory.
+
+`DbTrajectoryStream` is the in-process form; `HttpTrajectoryStream` speaks the gateway's
+`POST /v1/runs/{id}/trajectories/lease` and `.../ack` routes, which run the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol, cast
+
+from sqlalchemy import Table, and_, case, func, or_, select, update
+
+from agentflow.db.models import Episode, Run
+from agentflow.db.models import Trajectory as TrajectoryRow
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import AgentFlowError, Conflict, InvalidInput, NotFound
+from agentflow.types import OPEN_EPISODE_STATUSES, Trajectory
+
+_trajectories = cast(Table, TrajectoryRow.__table__)
+_episodes = cast(Table, Episode.__table__)
+_runs = cast(Table, Run.__table__)
+
+StalePolicy = Literal["drop", "downweight"]
+
+
+class TrajectoryStream(Protocol):
+    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]: ...
+
+    async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int: ...
+
+    async def reject(self, trajectory_id: uuid.UUID, lease_id: str | None, error: str) -> None: ...
+
+
+@dataclasses.dataclass
+class StreamCounters:
+    served_fresh: int = 0
+    served_replay: int = 0
+    dropped_stale: int = 0
+    downweighted: int = 0
+    expired_leases: int = 0
+    acked: int = 0
+    rejected: int = 0
+    staleness: Counter[int] = dataclasses.field(default_factory=Counter)  # of served samples
+
+
+class DbTrajectoryStream:
+    """The stream of one run, over its `TurnTree`'s database."""
+
+    def __init__(
+        self,
+        turns: TurnTree,
+        run_id: uuid.UUID,
+        *,
+        group_size: int = 1,
+        max_staleness: int | None = None,
+        max_reuse: int = 1,
+        stale_policy: StalePolicy = "drop",
+        lease_s: float = 600.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        if max_reuse < 1:
+            raise InvalidInput("max_reuse must be >= 1", field="max_reuse")
+        self.turns = turns
+        self.run_id = run_id
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.max_reuse = max_reuse
+        self.stale_policy = stale_policy
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+        self.counters = StreamCounters()
+        self._on_group_dropped: list[Any] = []
+
+    def on_group_dropped(self, callback: Any) -> None:
+        """`await callback()` once per group whose every trajectory was dropped as stale."""
+        self._on_group_dropped.append(callback)
+
+    # ---- pull -----------------------------------------------------------------------
+
+    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]:
+        """Lease up to `max_n` trajectories, waiting up to `timeout` s for the first."""
+        if max_n < 1:
+            raise InvalidInput("max_n must be >= 1", field="max_n")
+        if not 0 <= timeout <= 3600:
+            raise InvalidInput("timeout must be in [0, 3600] seconds", field="timeout")
+        deadline = time.monotonic() + timeout
+        while True:
+            added = self.turns.trajectories_added()  # taken before looking: no lost wake-up
+            leased = await self._lease(max_n)
+            remaining = deadline - time.monotonic()
+            if leased or remaining <= 0:
+                return leased
+            # Another process (the gateway, in the split form) may add trajectories too.
+            try:
+                await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
+            except TimeoutError:
+                pass
+
+    async def _lease(self, max_n: int) -> list[Trajectory]:
+        now = datetime.now(UTC)
+        lease_id = uuid.uuid4().hex
+        dropped_groups = 0
+        async with self.turns.write_transaction() as session:
+            expired = await session.execute(
+                update(_trajectories)
+                .where(_trajectories.c.run_id == self.run_id)
+                .where(_trajectories.c.status == "leased")
+                .where(_trajectories.c.lease_until < now)
+                .values(status="ready", lease_until=None)
+            )
+            self.counters.expired_leases += _rowcount(expired)
+            version = await session.scalar(
+                select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
+            )
+            if version is None:
+                raise NotFound(f"run {self.run_id} not found")
+            bound = None if self.max_staleness is None else version - self.max_staleness
+            if bound is not None and self.stale_policy == "drop":
+                dropped_groups = await self._drop_stale(session, bound)
+            fresh = await self._candidates(session, fresh=True, bound=bound)
+            chosen = _whole_groups(fresh, max_n)
+            n_fresh = len(chosen)
+            if len(chosen) < max_n and self.max_reuse > 1:
+                replay = await self._candidates(session, fresh=False, bound=bound)
+                chosen += _whole_groups(replay, max_n - len(chosen))
+            if chosen:
+                ids = [row.id for row in chosen]
+                for start in range(0, len(ids), 500):
+                    await session.execute(
+                        update(_trajectories)
+                        .where(_trajectories.c.id.in_(ids[start : start + 500]))
+                        .values(
+                            status="leased",
+                            lease_id=lease_id,
+                            lease_until=now + timedelta(seconds=self.lease_s),
+                        )
+                    )
+        for _ in range(dropped_groups):
+            for callback in self._on_group_dropped:
+                await callback()
+        if not chosen:
+            return []
+        views = await self.turns.trajectories([row.id for row in chosen])
+        served: list[Trajectory] = []
+        for view in views:
+            weight = 1.0
+            staleness = view.staleness(version)
+            if staleness is not None:
+                self.counters.staleness[staleness] += 1
+                if self.max_staleness is not None and staleness > self.max_staleness:
+                    weight = 1.0 / (1 + staleness - self.max_staleness)
+                    self.counters.downweighted += 1
+            served.append(dataclasses.replace(view, lease_id=lease_id, loss_weight=weight))
+        self.counters.served_fresh += n_fresh
+        self.counters.served_replay += len(chosen) - n_fresh
+        return served
+
+    async def _drop_stale(self, session: Any, bound: int) -> int:
+        """Mark servable trajectories past the bound `stale`; returns groups wiped out."""
+        stale = (
+            await session.execute(
+                select(_trajectories.c.id, _episodes.c.group_id)
+                .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+                .where(_trajectories.c.run_id == self.run_id)
+                .where(_trajectories.c.status == "ready")
+                .where(_trajectories.c.times_served == 0)
+                .where(_trajectories.c.min_weight_version < bound)
+            )
+        ).all()
+        if not stale:
+            return 0
+        ids = [row.id for row in stale]
+        for start in range(0, len(ids), 500):
+            await session.execute(
+                update(_trajectories)
+                .where(_trajectories.c.id.in_(ids[start : start + 500]))
+                .values(status="stale")
+            )
+        self.counters.dropped_stale += len(ids)
+        groups = {row.group_id for row in stale if row.group_id is not None}
+        wiped = 0
+        for group in groups:  # a group with nothing left to train on is refunded
+            left = await session.scalar(
+                select(func.count())
+                .select_from(
+                    _trajectories.join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+                )
+                .where(_episodes.c.group_id == group)
+                .where(_trajectories.c.status.in_(("ready", "leased", "consumed")))
+            )
+            wiped += not left
+        return wiped
+
+    async def _candidates(self, session: Any, *, fresh: bool, bound: int | None) -> list[Any]:
+        peer = _episodes.alias("peer")
+        group_open = (
+            select(peer.c.id)
+            .where(peer.c.group_id == _episodes.c.group_id)
+            .where(peer.c.status.in_(OPEN_EPISODE_STATUSES))
+            .exists()
+        )
+        group_count = (
+            select(func.count()).select_from(peer).where(peer.c.group_id == _episodes.c.group_id)
+        ).scalar_subquery()
+        complete = or_(
+            _episodes.c.group_id.is_(None),
+            and_(~group_open, group_count >= self.group_size),
+        )
+        query = (
+            select(
+                _trajectories.c.id,
+                _episodes.c.group_id,
+                _trajectories.c.times_served,
+                _trajectories.c.created_at,
+            )
+            .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+            .where(_trajectories.c.run_id == self.run_id)
+            .where(_trajectories.c.status == "ready")
+            .where(complete)
+        )
+        if fresh:
+            query = query.where(_trajectories.c.times_served == 0).order_by(
+                _trajectories.c.created_at, _trajectories.c.id
+            )
+        else:
+            query = query.where(_trajectories.c.times_served.between(1, self.max_reuse - 1))
+            if bound is not None:  # replays only inside the bound, whatever the policy
+                query = query.where(
+                    or_(
+                        _trajectories.c.min_weight_version.is_(None),
+                        _trajectories.c.min_weight_version >= bound,
+                    )
+                )
+            # The least replayed first, then the most recent (closest to the policy).
+            query = query.order_by(
+                _trajectories.c.times_served, _trajectories.c.created_at.desc(), _trajectories.c.id
+            )
+        if session.bind.dialect.name == "postgresql":
+            query = query.with_for_update(of=_trajectories, skip_locked=True)
+        return list((await session.execute(query)).all())
+
+    # ---- ack / reject ---------------------------------------------------------------
+
+    async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int:
+        """Count one training of each id under `lease_id` (default: its latest lease).
+        Returns how many were counted now; repeats count zero."""
+        if not ids:
+            return 0
+        counted = 0
+        async with self.turns.write_transaction() as session:
+            for start in range(0, len(ids), 500):
+                chunk = list(ids[start : start + 500])
+                query = (
+                    update(_trajectories)
+                    .where(_trajectories.c.run_id == self.run_id)
+                    .where(_trajectories.c.id.in_(chunk))
+                    .where(_trajectories.c.lease_id.is_not(None))
+                    .where(_trajectories.c.status.in_(("leased", "ready")))
+                    .values(
+                        times_served=_trajectories.c.times_served + 1,
+                        status=case(
+                            (_trajectories.c.times_served + 1 >= self.max_reuse, "consumed"),
+                            else_="ready",
+                        ),
+                        lease_id=None,
+                        lease_until=None,
+                    )
+                )
+                if lease_id is not None:
+                    query = query.where(_trajectories.c.lease_id == lease_id)
+                counted += _rowcount(await session.execute(query))
+        self.counters.acked += counted
+        return counted
+
+    async def reject(self, trajectory_id: uuid.UUID, lease_id: str | None, error: str) -> None:
+        async with self.turns.write_transaction() as session:
+            query = (
+                update(_trajectories)
+                .where(_trajectories.c.run_id == self.run_id)
+                .where(_trajectories.c.id == trajectory_id)
+                .values(status="rejected", error=error[:10_000], lease_id=None, lease_until=None)
+            )
+            if lease_id is not None:
+                query = query.where(_trajectories.c.lease_id == lease_id)
+            if _rowcount(await session.execute(query)):
+                self.counters.rejected += 1
+
+
+def _whole_groups(rows: list[Any], max_n: int) -> list[Any]:
+    """Rows of whole groups, in order, up to `max_n` rows (a group larger than `max_n`
+    is split only when nothing else was taken, so a pull never comes back empty-handed
+    while data waits)."""
+    groups: dict[object, list[Any]] = {}
+    for row in rows:
+        key = row.group_id if row.group_id is not None else row.id
+        groups.setdefault(key, []).append(row)
+    chosen: list[Any] = []
+    for members in groups.values():
+        if len(chosen) + len(members) <= max_n:
+            chosen += members
+        elif not chosen:
+            return members[:max_n]
+        if len(chosen) >= max_n:
+            break
+    return chosen
+
+
+def _rowcount(result: Any) -> int:
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+class HttpTrajectoryStream:
+    """The stream of a run in a remote gateway (the split form's trainer)."""
+
+    def __init__(self, client: Any, run_id: uuid.UUID | str) -> None:
+        """`client`: an `httpx.AsyncClient` with the gateway's base URL and API key."""
+        self.client = client
+        self.run_id = str(run_id)
+
+    async def _post(self, route: str, body: dict[str, Any], timeout: float) -> Any:
+        response = await self.client.post(
+            f"/v1/runs/{self.run_id}/trajectories/{route}", json=body, timeout=timeout + 30.0
+        )
+        if response.is_error:
+            cls = {404: NotFound, 409: Conflict, 422: InvalidInput}.get(
+                response.status_code, AgentFlowError
+            )
+            raise cls(f"trajectory stream {route}: HTTP {response.status_code}: {response.text}")
+        return response.json() if response.content else None
+
+    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]:
+        served = await self._post("lease", {"max_n": max_n, "timeout_s": min(timeout, 60)}, timeout)
+        return [trajectory_from_json(t) for t in served["trajectories"]]
+
+    async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int:
+        body = {"ids": [str(i) for i in ids], "lease_id": lease_id}
+        return int((await self._post("ack", body, 0.0))["acked"])
+
+    async def reject(self, trajectory_id: uuid.UUID, lease_id: str | None, error: str) -> None:
+        body = {"id": str(trajectory_id), "lease_id": lease_id, "error": error[:10_000]}
+        await self._post("reject", body, 0.0)
+
+
+def trajectory_from_json(data: dict[str, Any]) -> Trajectory:
+    """The inverse of `dataclasses.asdict` after a JSON round trip."""
+
+    def opt_uuid(value: Any) -> uuid.UUID | None:
+        return None if value is None else uuid.UUID(str(value))
+
+    return Trajectory(
+        id=uuid.UUID(data["id"]),
+        run_id=opt_uuid(data.get("run_id")),
+        episode_id=uuid.UUID(data["episode_id"]),
+        group_id=data.get("group_id"),
+        leaf_turn_id=uuid.UUID(data["leaf_turn_id"]),
+        reward=data.get("reward"),
+        status=data["status"],
+        times_served=int(data["times_served"]),
+        min_weight_version=data.get("min_weight_version"),
+        created_at=datetime.fromisoformat(data["created_at"]),
+        turn_ids=tuple(uuid.UUID(t) for t in data["turn_ids"]),
+        turn_starts=tuple(data["turn_starts"]),
+        token_ids=tuple(data["token_ids"]),
+        logprobs=tuple(data["logprobs"]),
+        loss_mask=tuple(data["loss_mask"]),
+        weight_versions=tuple(data["weight_versions"]),
+        lease_id=data.get("lease_id"),
+        loss_weight=float(data.get("loss_weight", 1.0)),
+    )

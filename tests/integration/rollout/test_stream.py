@@ -1,0 +1,170 @@
+"""The durable trajectory stream on real PostgreSQL and SQLite: leases, acks, replay,
+staleness, and a trainer that dies mid-step."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import InvalidInput
+from agentflow.rollout.stream import DbTrajectoryStream
+from tests.integration.rollout.stream_fixtures import (
+    finished_group,
+    make_run,
+    open_episode,
+    set_version,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _stream(turns: TurnTree, run_id: uuid.UUID, **kw: Any) -> DbTrajectoryStream:
+    kw.setdefault("group_size", 2)
+    kw.setdefault("poll_s", 0.05)
+    return DbTrajectoryStream(turns, run_id, **kw)
+
+
+async def test_pull_leases_whole_finished_groups_oldest_first(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    first = await finished_group(turn_tree, run, 2)
+    second = await finished_group(turn_tree, run, 2)
+    # A group with an episode still running is not served yet.
+    waiting = uuid.uuid4().hex
+    await open_episode(turn_tree, run, waiting, 0)
+    stream = _stream(turn_tree, run)
+
+    batch = await stream.pull(3)  # two groups of two do not fit in 3: only whole groups
+    assert [t.group_id for t in batch] == [first, first]
+    assert len({t.lease_id for t in batch}) == 1 and batch[0].lease_id
+    rest = await stream.pull(10)
+    assert [t.group_id for t in rest] == [second, second]
+    assert await stream.pull(10) == []  # leased ones and the open group stay out
+
+
+async def test_an_expired_lease_is_served_again(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    await finished_group(turn_tree, run, 2)
+    stream = _stream(turn_tree, run, lease_s=0.2)
+    first = await stream.pull(10)
+    assert len(first) == 2 and await stream.pull(10) == []
+    await asyncio.sleep(0.3)
+    again = await stream.pull(10)
+    assert {t.id for t in again} == {t.id for t in first}
+    assert again[0].lease_id != first[0].lease_id
+    assert stream.counters.expired_leases == 2
+
+
+async def test_ack_is_idempotent_and_bound_to_its_lease(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    await finished_group(turn_tree, run, 2)
+    stream = _stream(turn_tree, run)
+    batch = await stream.pull(10)
+    ids = [t.id for t in batch]
+    assert await stream.ack(ids, "not-the-lease") == 0
+    assert await stream.ack(ids, batch[0].lease_id) == 2
+    assert await stream.ack(ids, batch[0].lease_id) == 0  # a repeat counts nothing
+    assert await stream.ack(ids) == 0
+    stored = await turn_tree.trajectories(ids)
+    assert {(t.status, t.times_served) for t in stored} == {("consumed", 1)}
+    assert await stream.pull(10) == []
+
+
+async def test_a_trainer_that_dies_mid_step_loses_nothing_and_trains_nothing_twice(
+    turn_tree: TurnTree,
+) -> None:
+    run = await make_run(turn_tree)
+    for _ in range(3):
+        await finished_group(turn_tree, run, 2)
+    trained: Counter[object] = Counter()
+
+    # Trainer 1 leases a batch and dies before its step commits: no ack.
+    dead = _stream(turn_tree, run, lease_s=0.2)
+    lost = await dead.pull(2)
+    # Trainer 2 commits a step (its checkpoint holds the batch and lease) and dies
+    # before acknowledging; the lease expires meanwhile.
+    committed = await _stream(turn_tree, run, lease_s=0.2).pull(2)
+    trained.update(t.id for t in committed)
+    await asyncio.sleep(0.3)
+
+    # The restarted trainer first acknowledges its checkpointed batch, then goes on.
+    trainer = _stream(turn_tree, run, lease_s=30)
+    assert await trainer.ack([t.id for t in committed], committed[0].lease_id) == 2
+    while batch := await trainer.pull(2):
+        trained.update(t.id for t in batch)
+        await trainer.ack([t.id for t in batch], batch[0].lease_id)
+
+    assert {t.id for t in lost} <= set(trained)  # the uncommitted batch came back
+    assert len(trained) == 6 and set(trained.values()) == {1}  # each trained exactly once
+
+
+async def test_replay_fills_in_only_when_fresh_ones_are_short(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    old = await finished_group(turn_tree, run, 2)
+    stream = _stream(turn_tree, run, max_reuse=2)
+    first = await stream.pull(2)
+    await stream.ack([t.id for t in first], first[0].lease_id)
+    fresh = await finished_group(turn_tree, run, 2)
+
+    batch = await stream.pull(4)  # fresh first, then the replay
+    assert [t.group_id for t in batch] == [fresh, fresh, old, old]
+    assert [t.times_served for t in batch] == [0, 0, 1, 1]
+    await stream.ack([t.id for t in batch], batch[0].lease_id)
+    assert stream.counters.served_replay == 2
+    # `old` has now been trained twice (max_reuse): only `fresh` can replay once more.
+    again = await stream.pull(4)
+    assert [t.group_id for t in again] == [fresh, fresh]
+
+
+async def test_staleness_bound_drops_or_downweights(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    stale = await finished_group(turn_tree, run, 2, version=0)
+    ok = await finished_group(turn_tree, run, 2, version=2)
+    await set_version(turn_tree, run, 4)
+    dropped: list[int] = []
+
+    async def refund() -> None:
+        dropped.append(1)
+
+    stream = _stream(turn_tree, run, max_staleness=2)
+    stream.on_group_dropped(refund)
+    batch = await stream.pull(10)
+    assert {t.group_id for t in batch} == {ok}
+    assert all(t.staleness(4) <= 2 for t in batch)  # no served token older than the bound
+    assert stream.counters.dropped_stale == 2 and dropped == [1]
+    assert stream.counters.staleness == Counter({2: 2})
+
+    run2 = await make_run(turn_tree, version=4)
+    await finished_group(turn_tree, run2, 2, version=0)
+    soft = _stream(turn_tree, run2, max_staleness=2, stale_policy="downweight")
+    served = await soft.pull(10)
+    assert [t.loss_weight for t in served] == [1 / 3, 1 / 3]  # 2 versions past the bound
+    assert soft.counters.downweighted == 2
+    del stale
+
+
+async def test_reject_records_the_error_and_keeps_it_out(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    await finished_group(turn_tree, run, 1)
+    stream = _stream(turn_tree, run, group_size=1)
+    (bad,) = await stream.pull(1)
+    await stream.reject(bad.id, bad.lease_id, "token_ids and logprobs differ in length")
+    (stored,) = await turn_tree.trajectories([bad.id])
+    assert stored.status == "rejected"
+    assert await stream.pull(1) == []
+
+
+async def test_pull_waits_for_a_group_to_finish(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    stream = _stream(turn_tree, run, group_size=1)
+    puller = asyncio.create_task(stream.pull(5, timeout=10))
+    await asyncio.sleep(0.1)
+    assert not puller.done()
+    await finished_group(turn_tree, run, 1)
+    assert len(await asyncio.wait_for(puller, 5)) == 1
+    with pytest.raises(InvalidInput):
+        await stream.pull(0)
