@@ -104,8 +104,13 @@ class ContainerAgent:
                 await relay.start()
                 await sandbox.write_file(_RELAY, INNER_RELAY)
                 port = str(urlsplit(gateway_url).port or 80)
-                command = [self.python, f"{SANDBOX_DIR}/{_RELAY}", port,
-                           f"{SANDBOX_DIR}/{_SOCKET}", *command]
+                command = [
+                    self.python,
+                    f"{SANDBOX_DIR}/{_RELAY}",
+                    port,
+                    f"{SANDBOX_DIR}/{_SOCKET}",
+                    *command,
+                ]
                 gateway_url = f"http://127.0.0.1:{port}"
                 brief = _rebase(brief, episode.gateway_url.rstrip("/"), gateway_url)
             for path, data in self.files.items():
@@ -164,7 +169,8 @@ class ContainerAgent:
 def _rebase(brief: dict[str, object], old: str, new: str) -> dict[str, object]:
     """The brief with the gateway's URLs as the program reaches them."""
     return {
-        key: value.replace(old, new, 1) if isinstance(value, str) and value.startswith(old)
+        key: value.replace(old, new, 1)
+        if isinstance(value, str) and value.startswith(old)
         else value
         for key, value in brief.items()
     }

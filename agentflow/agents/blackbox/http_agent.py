@@ -82,7 +82,6 @@ class HttpAgent:
                 await client.aclose()
         if answer.status_code >= 300:
             return (
-                f"agent service refused the episode: HTTP {answer.status_code}: "
-                f"{answer.text[:300]}"
+                f"agent service refused the episode: HTTP {answer.status_code}: {answer.text[:300]}"
             )
         return None

@@ -125,9 +125,7 @@ def _follow(
     segment may span several messages, e.g. an assistant message the agent wrote)."""
     while pending:
         whole = [c for c in children if c.kind != "policy" and c.token_ids]
-        child = next(
-            (c for c in whole if tuple(pending[: len(c.token_ids)]) == c.token_ids), None
-        )
+        child = next((c for c in whole if tuple(pending[: len(c.token_ids)]) == c.token_ids), None)
         if child is None:
             head = tuple(pending)
             alive = any(c.token_ids[: len(head)] == head for c in whole)

@@ -53,9 +53,7 @@ class ChatProxy:
         self.runtimes = runtimes
         self.live = live
 
-    async def complete(
-        self, episode_id: uuid.UUID, request: ChatCompletionRequest
-    ) -> ChatAnswer:
+    async def complete(self, episode_id: uuid.UUID, request: ChatCompletionRequest) -> ChatAnswer:
         with self.live.admit(episode_id) as state:
             episode = await self.turns.episode(episode_id)
             if episode.status not in OPEN_EPISODE_STATUSES:

@@ -24,7 +24,7 @@ import os
 from urllib.parse import urlsplit
 
 # Runs inside the sandbox under its python3: standard library only.
-INNER_RELAY = r'''
+INNER_RELAY = r"""
 import socket, subprocess, sys, threading
 
 port, unix_path, command = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
@@ -62,7 +62,7 @@ def serve():
 
 threading.Thread(target=serve, daemon=True).start()
 sys.exit(subprocess.call(command))
-'''
+"""
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

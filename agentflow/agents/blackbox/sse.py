@@ -50,8 +50,13 @@ def stream_chunks(
         yield chunk({"content": piece})
     for index, call in enumerate(message_of(answer).get("tool_calls", [])):
         head = {"index": index, "id": call["id"], "type": "function"}
-        yield chunk({"tool_calls": [{**head, "function": {"name": call["function"]["name"],
-                                                           "arguments": ""}}]})
+        yield chunk(
+            {
+                "tool_calls": [
+                    {**head, "function": {"name": call["function"]["name"], "arguments": ""}}
+                ]
+            }
+        )
         args = call["function"]["arguments"]
         yield chunk({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
     yield chunk({}, answer.finish_reason, agentflow=extension_of(answer))

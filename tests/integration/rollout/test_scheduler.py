@@ -4,7 +4,6 @@ caps under a burst, and the elastic pool."""
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -207,4 +206,3 @@ async def test_an_elastic_run_keeps_its_caps(executor_for: Any) -> None:
     await _settle(executor, 60)
     assert executor.counters.by_status == {"completed": 60}
     assert all(2 <= n <= 12 for n in executor.pool.history)
-

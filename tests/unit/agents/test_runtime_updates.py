@@ -54,7 +54,7 @@ async def test_a_long_response_survives_two_updates_with_three_version_spans(
     engine: LocalEngine, mode: PauseMode
 ) -> None:
     runtime = PolicyRuntime(engine, ByteChatTemplate(), interrupt=mode)
-    models = {0: build_model(TINY, seed=0), 1: build_model(TINY, seed=1), 2: build_model(TINY, seed=2)}
+    models = {v: build_model(TINY, seed=v) for v in (0, 1, 2)}
     long = asyncio.create_task(runtime.generate(_request(400)))
     await _after_steps(engine, 20)
     await runtime.update_weights(WeightUpdate(state_dict=models[1].state_dict()))

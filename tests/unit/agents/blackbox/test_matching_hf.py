@@ -12,8 +12,8 @@ from tests.unit.agents.blackbox.test_matching import node
 
 CHATML = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{%- for c in m.tool_calls or [] %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    '{%- for c in m.tool_calls or [] %}\n<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments }}}\n</tool_call>{%- endfor %}<|im_end|>\n'
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 
@@ -28,12 +28,16 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> HFChatTemplate:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(["user assistant tool_call lookup arguments name"] * 10, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=specials,
     )
     fast.chat_template = CHATML
@@ -57,8 +61,13 @@ def test_echo_and_own_assistant_messages_match_with_an_hf_template(template) -> 
     echo = {
         "role": "assistant",
         "content": view.content,
-        "tool_calls": [{"id": "c", "type": "function",
-                        "function": {"name": "lookup", "arguments": '{"key": "ann.pet"}'}}],
+        "tool_calls": [
+            {
+                "id": "c",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": '{"key": "ann.pet"}'},
+            }
+        ],
     }
     # First turn: the agent's own assistant message (not a sample) after the policy turn.
     own = {"role": "assistant", "content": "checking"}

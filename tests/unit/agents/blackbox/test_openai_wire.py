@@ -127,7 +127,9 @@ def test_stream_reassembles_to_the_same_message() -> None:
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     args = "".join(
         (tc.function.arguments or "")
-        for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])
+        for c in chunks
+        if c.choices
+        for tc in (c.choices[0].delta.tool_calls or [])
     )
     message = completion_of(a)["choices"][0]["message"]
     assert content == message["content"]

@@ -34,8 +34,9 @@ async def test_env_judges_the_reported_answer() -> None:
     assert (right.status, right.reward) == ("completed", 1.0)
 
     episode, env = await slot_with_env(live)
-    wrong = await settle(live.agent(episode), AgentReport("completed", answer="answer zebra"),
-                         "env", 0)
+    wrong = await settle(
+        live.agent(episode), AgentReport("completed", answer="answer zebra"), "env", 0
+    )
     assert (wrong.status, wrong.reward) == ("completed", 0.0)
 
 
