@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -257,6 +258,83 @@ def runs_show(run_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) ->
             _print(client.get_run(run_id))
     except AgentFlowError as exc:
         raise _fail(exc) from None
+
+
+def _run_config(path: Path) -> Any:
+    from pydantic import ValidationError
+
+    from agentflow.run_config import load_run_config
+
+    try:
+        return load_run_config(path)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise _fail(ValueError(f"{path}: {where}: {first['msg']}")) from None
+    except (OSError, ValueError) as exc:  # unreadable file, TOML syntax
+        raise _fail(exc) from None
+
+
+ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="run config (TOML)")]
+
+
+@app.command()
+def train(config: ConfigArg) -> None:
+    """Train in one process (SQLite, local engine, envs, trainer); rerun to resume."""
+    run_config = _run_config(config)  # parse before importing torch: bad input fails fast
+    from transformers.utils import logging as hf_logging
+
+    from trainer.embedded import train_embedded
+
+    hf_logging.disable_progress_bar()  # the run prints its own progress
+
+    try:
+        summary = train_embedded(run_config)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    _print(summary)
+
+
+@app.command()
+def sft(
+    config: ConfigArg,
+    out: Annotated[Path | None, typer.Option(help="where to save the model")] = None,
+) -> None:
+    """Warm start only: supervised training on the first env's scripted oracle."""
+    run_config = _run_config(config)
+    from trainer.sft import SftConfig, run_sft
+
+    warm = run_config.warm_start
+    target = out or Path(run_config.trainer.run_dir) / run_config.name / "sft"
+    metrics = run_sft(
+        SftConfig(
+            env_id=run_config.envs[0].id,
+            max_turns=run_config.agent.max_turns,
+            seed=run_config.seed,
+            **warm.model_dump(exclude={"enabled"}),
+        ),
+        run_config.model.path or run_config.model.init,
+        target,
+    )
+    _print({"model": str(target), **metrics})
+
+
+@app.command("trainer")
+def trainer_command(
+    config: ConfigArg,
+    gateway: Annotated[str, typer.Option(help="the gateway's base URL")],
+    run_id: Annotated[str, typer.Option("--run", help="the run to train (its id)")],
+    api_key: KeyOpt = None,
+) -> None:
+    """The split form: train a run that a gateway executes (disk weight sync)."""
+    run_config = _run_config(config)
+    from trainer.remote import train_remote
+
+    try:
+        summary = train_remote(run_config, gateway, uuid.UUID(run_id), api_key=api_key)
+    except (AgentFlowError, ValueError) as exc:
+        raise _fail(exc) from None
+    _print(summary)
 
 
 def main() -> None:

@@ -146,6 +146,11 @@ class _Endpoints:
     def get_trajectory(trajectory_id: uuid.UUID | str) -> _Call[dict[str, Any]]:
         return _Call("GET", f"/v1/trajectories/{trajectory_id}", dict)
 
+    @staticmethod
+    def update_weights(run_id: uuid.UUID | str, version: int, path: str) -> _Call[int]:
+        body = {"version": version, "path": path}
+        return _Call("POST", f"/v1/runs/{run_id}/weights", lambda r: int(r["version"]), json=body)
+
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -223,6 +228,10 @@ class Client:
 
     def get_trajectory(self, trajectory_id: uuid.UUID | str) -> dict[str, Any]:
         return self._send(_Endpoints.get_trajectory(trajectory_id))
+
+    def update_weights(self, run_id: uuid.UUID | str, version: int, path: str) -> int:
+        """Switch a live run's engines to the weights directory `path` as `version`."""
+        return self._send(_Endpoints.update_weights(run_id, version, path))
 
     def close(self) -> None:
         self._http.close()
@@ -308,6 +317,9 @@ class AsyncClient:
 
     async def get_trajectory(self, trajectory_id: uuid.UUID | str) -> dict[str, Any]:
         return await self._send(_Endpoints.get_trajectory(trajectory_id))
+
+    async def update_weights(self, run_id: uuid.UUID | str, version: int, path: str) -> int:
+        return await self._send(_Endpoints.update_weights(run_id, version, path))
 
     async def aclose(self) -> None:
         await self._http.aclose()

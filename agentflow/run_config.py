@@ -137,13 +137,59 @@ class RolloutConfig(_Section):
 
 class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
-    algorithm: Literal["grpo", "ppo", "rtpo"] = "grpo"
+    algorithm: Literal["grpo", "ppo", "rtpo"] = Field(
+        default="grpo",
+        description="grpo: advantages (r - group mean) / group std; ppo: r - group mean; "
+        "both with the decoupled PPO-clip loss. rtpo is not available yet",
+    )
     batch_episodes: int = Field(default=64, ge=1, description="episodes per optimizer step")
     lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
     steps: int = Field(default=200, ge=1, description="optimizer steps to run")
     clip_eps: float = Field(default=0.2, gt=0, le=1.0, description="PPO clip range")
+    clip_eps_high: float | None = Field(
+        default=None, gt=0, le=10.0, description="upper clip range; None: clip_eps"
+    )
+    decoupled: bool = Field(
+        default=True,
+        description="decoupled PPO: ratio against the trainer's proximal policy, times the "
+        "behaviour importance weight; false: plain PPO against the engine's log-probs",
+    )
+    tis_cap: float | None = Field(
+        default=2.0, ge=1.0, description="truncate behaviour importance weights; None: never"
+    )
     kl_coef: float = Field(default=0.0, ge=0, description="KL to the reference policy")
     max_grad_norm: float = Field(default=1.0, gt=0)
+    minibatches: int = Field(default=1, ge=1, le=256, description="optimizer steps per batch")
+    max_tokens_per_microbatch: int = Field(
+        default=16384, ge=64, description="tokens (padding included) per forward/backward"
+    )
+    device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
+    checkpoint_every: int = Field(
+        default=10, ge=1, description="steps between checkpoints (batches are acknowledged then)"
+    )
+    keep_checkpoints: int = Field(default=2, ge=1, description="newest checkpoints kept")
+    run_dir: str = Field(default="runs", description="run directories go under this path")
+    threads: int | None = Field(
+        default=None, ge=1, description="torch CPU threads; None: torch's default"
+    )
+
+
+class WarmStartConfig(_Section):
+    """Supervised warm start on the env's scripted oracle, before RL (`agentflow sft`)."""
+
+    enabled: bool = Field(default=False, description="run it when the run has no checkpoint")
+    n_episodes: int = Field(default=20_000, ge=1, le=10_000_000, description="oracle episodes")
+    p_oracle: float = Field(
+        default=0.35, ge=0.0, le=1.0, description="chance of the oracle's move (else random)"
+    )
+    epochs: float = Field(default=2.0, gt=0, le=100, description="passes over the data")
+    batch_size: int = Field(default=128, ge=1, le=65536, description="sequences per step")
+    lr: float = Field(default=1e-3, gt=0, le=1.0, description="peak AdamW learning rate")
+    warmup: float = Field(default=0.05, ge=0.0, lt=1.0, description="warm-up fraction")
+    max_seconds: float | None = Field(default=None, gt=0, description="time cap; None: none")
+    eval_episodes: int = Field(
+        default=400, ge=0, le=1_000_000, description="sampled episodes to evaluate it on"
+    )
 
 
 class WeightsConfig(_Section):
@@ -178,6 +224,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @field_validator("name")
     @classmethod

@@ -22,6 +22,8 @@ from agentflow.api.routes import (
     metrics,
     runs,
     trajectories,
+    trajectory_stream,
+    weights,
 )
 from agentflow.config import Settings, get_settings
 from agentflow.db.migrate import ensure_schema_current
@@ -74,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(agent_callbacks.router)
     protected = [Depends(require_api_key)]
-    for module in (envs, runs, episodes, trajectories, metrics):
+    for module in (envs, runs, episodes, trajectories, trajectory_stream, metrics):
         app.include_router(module.router, dependencies=protected)
+    app.include_router(weights.router, dependencies=protected)
     return app

@@ -19,7 +19,7 @@ from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
-from agentflow.db.models import Episode, Run
+from agentflow.db.models import Episode, Run, WeightVersion
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict, NotFound
 from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
@@ -107,6 +107,18 @@ class RunManager:
         stream = self._stream_for(run_id, RunConfig.model_validate(stored))
         self._streams[run_id] = stream
         return stream
+
+    async def record_metrics(
+        self, run_id: uuid.UUID, version: int, metrics: dict[str, float]
+    ) -> None:
+        """Attach a trainer step's metrics to the weight version it produced."""
+        async with self.sessions.begin() as session:
+            await session.execute(
+                update(WeightVersion)
+                .where(WeightVersion.run_id == run_id)
+                .where(WeightVersion.version == version)
+                .values(metrics=metrics)
+            )
 
     async def update_weights(self, run_id: uuid.UUID, update: WeightUpdate) -> int:
         """Switch a live run's engine to new weights (see `RunExecutor.update_weights`)."""

@@ -53,6 +53,8 @@ class TrajectoryStream(Protocol):
 
     async def reject(self, trajectory_id: uuid.UUID, lease_id: str | None, error: str) -> None: ...
 
+    async def reclaim(self) -> int: ...
+
 
 @dataclasses.dataclass
 class StreamCounters:
@@ -262,6 +264,19 @@ class DbTrajectoryStream:
             query = query.with_for_update(of=_trajectories, skip_locked=True)
         return list((await session.execute(query)).all())
 
+    async def reclaim(self) -> int:
+        """A trainer starting up owns the run's stream: leases its dead predecessor held
+        go back to `ready` at once instead of after `lease_s` (their lease ids stay, so a
+        checkpointed batch can still be acknowledged). Returns how many came back."""
+        async with self.turns.write_transaction() as session:
+            result = await session.execute(
+                update(_trajectories)
+                .where(_trajectories.c.run_id == self.run_id)
+                .where(_trajectories.c.status == "leased")
+                .values(status="ready", lease_until=None)
+            )
+        return _rowcount(result)
+
     # ---- ack / reject ---------------------------------------------------------------
 
     async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int:
@@ -362,6 +377,9 @@ class HttpTrajectoryStream:
     async def reject(self, trajectory_id: uuid.UUID, lease_id: str | None, error: str) -> None:
         body = {"id": str(trajectory_id), "lease_id": lease_id, "error": error[:10_000]}
         await self._post("reject", body, 0.0)
+
+    async def reclaim(self) -> int:
+        return int((await self._post("reclaim", {}, 0.0))["reclaimed"])
 
 
 def trajectory_from_json(data: dict[str, Any]) -> Trajectory:

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from agentflow.api.deps import RunManagerDep, SessionDep, SessionMakerDep
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
-from agentflow.db.models import Episode, Run, RunEnvironment
+from agentflow.db.models import Episode, Run, RunEnvironment, WeightVersion
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.rollout.envs import resolve_env_sources
 from agentflow.run_config import RunConfig
@@ -119,3 +119,24 @@ async def stop_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDe
 async def _fresh(session: SessionDep, run_id: uuid.UUID) -> Run:
     session.expire_all()
     return await _get(session, run_id)
+
+
+@router.get("/{run_id}/metrics")
+async def run_metrics(run_id: uuid.UUID, session: SessionDep) -> dict[str, Any]:
+    """The trainer's metrics per weight version (one per step), oldest first."""
+    run = await _get(session, run_id)
+    rows = (
+        await session.execute(
+            select(WeightVersion)
+            .where(WeightVersion.run_id == run_id)
+            .order_by(WeightVersion.version)
+        )
+    ).scalars()
+    return {
+        "run_id": str(run_id),
+        "weight_version": run.weight_version,
+        "versions": [
+            {"version": w.version, "created_at": w.created_at, "uri": w.uri, "metrics": w.metrics}
+            for w in rows
+        ],
+    }

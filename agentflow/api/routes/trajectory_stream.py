@@ -59,3 +59,10 @@ async def ack(run_id: uuid.UUID, body: AckRequest, manager: RunManagerDep) -> di
 async def reject(run_id: uuid.UUID, body: RejectRequest, manager: RunManagerDep) -> None:
     stream = await manager.stream(run_id)
     await stream.reject(body.id, body.lease_id, body.error)
+
+
+@router.post("/reclaim")
+async def reclaim(run_id: uuid.UUID, manager: RunManagerDep) -> dict[str, int]:
+    """A (re)starting trainer takes back the leases its predecessor held."""
+    stream = await manager.stream(run_id)
+    return {"reclaimed": await stream.reclaim()}

@@ -1,0 +1,208 @@
+"""`agentflow train CONFIG.toml`: the embedded default, everything in one process.
+
+SQLite in the run directory, the run's `LocalEngine`, envs and agents driven by the same
+`RunManager` the gateway uses, and the trainer reading the same durable trajectory
+stream. Running the same command again after a crash resumes: the run (found by name in
+the run directory's database) restarts from its stored config, and the trainer from its
+newest checkpoint (see `trainer.loop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from agentflow.agents.runtime import RuntimeRegistry
+from agentflow.config import Settings
+from agentflow.db import migrate
+from agentflow.db.models import Run
+from agentflow.db.session import create_engine, session_factory
+from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import InvalidInput
+from agentflow.inference.base import WeightUpdate
+from agentflow.rollout.manager import RunManager
+from agentflow.run_config import RunConfig
+from trainer.backends.torch_backend import TorchPolicy
+from trainer.loop import resume, summarize_batch, train
+from trainer.report import RunReport
+from trainer.setup import build_policy, loop_settings
+from trainer.weights import WeightPublisher
+
+log = logging.getLogger(__name__)
+
+
+def run_directory(config: RunConfig) -> Path:
+    return Path(config.trainer.run_dir) / config.name
+
+
+def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
+    """Check what this process can train, and run the warm start if the run needs it.
+    Returns the config with `model.path` pointing at the weights RL starts from."""
+    if config.trainer.backend != "torch":
+        raise InvalidInput(
+            "the embedded trainer runs the torch backend; megatron runs under torchrun",
+            field=("trainer", "backend"),
+        )
+    if config.trainer.algorithm == "rtpo":
+        raise InvalidInput("rtpo is not available yet", field=("trainer", "algorithm"))
+    if config.engine.type != "local":
+        raise InvalidInput(
+            "the embedded trainer updates a local engine in process; use `agentflow trainer "
+            "--gateway URL` with disk sync for SGLang",
+            field=("engine", "type"),
+        )
+    directory = run_directory(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    if config.trainer.threads:
+        import torch
+
+        torch.set_num_threads(config.trainer.threads)
+    warm = config.warm_start
+    if not warm.enabled:
+        return config, directory
+    sft_dir = directory / "sft"
+    if not (sft_dir / "config.json").is_file():
+        from trainer.sft import SftConfig, run_sft
+
+        print(f"warm start: supervised training on {warm.n_episodes} oracle episodes", flush=True)
+        metrics = run_sft(
+            SftConfig(
+                env_id=config.envs[0].id,
+                max_turns=config.agent.max_turns,
+                seed=config.seed,
+                **warm.model_dump(exclude={"enabled"}),
+            ),
+            config.model.path or config.model.init,
+            sft_dir,
+        )
+        evaluation = metrics.get("eval", {})
+        print(f"warm start done: {evaluation}", flush=True)
+    model = config.model.model_copy(update={"path": str(sft_dir.resolve())})
+    return config.model_copy(update={"model": model}), directory
+
+
+def train_embedded(config: RunConfig) -> dict[str, Any]:
+    """The whole run; returns the summary (also written to the run directory)."""
+    started = time.perf_counter()
+    config, directory = prepare(config)
+    url = f"sqlite+aiosqlite:///{(directory / 'agentflow.db').resolve()}"
+    migrate.upgrade(url)
+    summary = asyncio.run(_train(config, directory, url))
+    summary["total_seconds"] = round(time.perf_counter() - started, 1)  # warm start included
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    turns = TurnTree(session_factory(engine))
+    settings = Settings(database_url=url)
+    manager = RunManager(turns, RuntimeRegistry(), settings)
+    report = RunReport(directory, config.trainer.steps)
+    report.write_config(config.model_dump(mode="json"))
+    started = time.perf_counter()
+    try:
+        run_id = await _start_or_recover(manager, config)
+        executor = await manager.live(run_id)
+        policy = build_policy(config)
+        stream = await manager.stream(run_id)
+        checkpoints = directory / "checkpoints"
+        state, restored = await resume(policy, stream, checkpoints)
+        target = _RunTarget(manager, run_id)
+        publisher = _publisher(config, directory, target, policy)
+        if restored is not None:
+            # The engine restarted from the warm-start weights: give it the checkpoint's,
+            # as a version newer than any the run has recorded.
+            state.version = max(state.version, executor.weight_version) + 1
+            await publisher.publish(policy.state_dict(), state.version)
+            print(f"resumed from {restored} at step {state.step}", flush=True)
+
+        async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
+            row = {**summarize_batch(batch, state.version - 1), **metrics}  # as trained
+            row.update(
+                episodes=float(executor.counters.started),
+                dropped_stale=float(stream.counters.dropped_stale),
+                weight_version=float(state.version),
+            )
+            report.record(step, row)
+            await manager.record_metrics(run_id, state.version, row)
+
+        def alive() -> str | None:
+            if executor.state in ("running", "paused"):
+                return None
+            return f"run is {executor.state}: {executor.counters.last_error}"
+
+        steps = loop_settings(config, checkpoints)
+        await train(policy, stream, publisher, steps, state, on_step=on_step, alive=alive)
+        await executor.stop("training finished")
+        return report.finish(
+            {
+                "run": config.name,
+                "run_id": str(run_id),
+                "seed": config.seed,
+                "run_dir": str(directory),
+                "wall_seconds": round(time.perf_counter() - started, 1),
+                "episodes": executor.counters.started,
+                "episodes_by_status": executor.counters.by_status,
+                "stream": {
+                    "served_fresh": stream.counters.served_fresh,
+                    "served_replay": stream.counters.served_replay,
+                    "dropped_stale": stream.counters.dropped_stale,
+                    "rejected": stream.counters.rejected,
+                },
+            }
+        )
+    finally:
+        await manager.shutdown()
+        await engine.dispose()
+
+
+async def _start_or_recover(manager: RunManager, config: RunConfig) -> uuid.UUID:
+    """The run of this name in this database: restarted after a crash, or created."""
+    async with manager.sessions() as session:
+        existing = await session.scalar(
+            select(Run).where(Run.name == config.name).order_by(Run.created_at.desc()).limit(1)
+        )
+    if existing is not None and existing.status in ("running", "paused"):
+        await manager.recover()  # aborts its interrupted episodes, restarts it
+        return existing.id
+    async with manager.sessions.begin() as session:
+        run = Run(name=config.name, config=config.model_dump(mode="json"), status="pending")
+        session.add(run)
+        await session.flush()
+        run_id = run.id
+    await manager.start(run_id, config)
+    return run_id
+
+
+class _RunTarget:
+    """The run's engines, switched through the run manager (pause, update, resume)."""
+
+    name = "run"
+
+    def __init__(self, manager: RunManager, run_id: uuid.UUID) -> None:
+        self.manager, self.run_id = manager, run_id
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return await self.manager.update_weights(self.run_id, update)
+
+
+def _publisher(
+    config: RunConfig, directory: Path, target: _RunTarget, policy: TorchPolicy
+) -> WeightPublisher:
+    if config.weights.sync == "nccl":
+        raise InvalidInput("nccl sync needs GPUs and SGLang", field=("weights", "sync"))
+    weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
+    return WeightPublisher(
+        config.weights.sync,
+        [target],
+        weights_dir if config.weights.sync == "disk" else None,
+        config=policy.model.config,
+    )

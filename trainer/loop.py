@@ -1,0 +1,185 @@
+"""The train loop (DESIGN §7): lease a batch → advantages → loss and step → publish
+weights → acknowledge. Everything else is a function it calls.
+
+Acknowledgements ride on checkpoints: a batch is acknowledged only after a checkpoint
+that includes its step is on disk, and the checkpoint lists the batches it covers. So a
+trainer killed at any point loses nothing and trains nothing twice: batches after the
+last checkpoint were never acknowledged and come back to the restarted trainer (which
+reclaims its predecessor's leases), and the batches of the last checkpoint are
+acknowledged again on restart, which counts once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentflow.errors import AgentFlowError
+from agentflow.rollout.stream import TrajectoryStream
+from agentflow.types import Trajectory
+from trainer.algorithms import AlgorithmConfig, group_advantages
+from trainer.backends.torch_backend import TorchPolicy, checkpoint_dir, latest_checkpoint
+from trainer.batching import split_valid
+from trainer.weights import WeightPublisher
+
+
+class RunEnded(AgentFlowError):
+    """The rollout side stopped or failed while the trainer waited for data."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    version: int = 0
+    unacked: list[list[str]] = field(default_factory=list)  # trained batches' ids
+
+
+@dataclass
+class LoopSettings:
+    steps: int
+    groups_per_batch: int
+    group_size: int
+    algorithm: AlgorithmConfig
+    normalize_std: bool
+    checkpoint_root: Path
+    checkpoint_every: int
+    keep_checkpoints: int
+    max_tokens: int
+    pull_timeout_s: float = 5.0
+
+
+StepHook = Callable[[int, dict[str, float], Sequence[Trajectory]], Awaitable[None]]
+
+
+async def train(
+    policy: TorchPolicy,
+    stream: TrajectoryStream,
+    publisher: WeightPublisher,
+    settings: LoopSettings,
+    state: LoopState,
+    *,
+    on_step: StepHook,
+    alive: Callable[[], str | None] = lambda: None,
+) -> LoopState:
+    """Run steps until `settings.steps`; `alive()` names why the rollout side ended."""
+    while state.step < settings.steps:
+        started = time.perf_counter()
+        batch = await lease_batch(stream, settings, alive)
+        waited = time.perf_counter() - started
+        valid = await reject_invalid(stream, batch, policy, settings.max_tokens)
+        if not valid:
+            continue
+        advantages = group_advantages(
+            [t.reward or 0.0 for t in valid],
+            [t.group_id for t in valid],
+            normalize_std=settings.normalize_std,
+        )
+        metrics = await asyncio.to_thread(policy.train_step, valid, advantages, settings.algorithm)
+        state.step += 1
+        state.version += 1
+        sync = await publisher.publish(policy.state_dict(), state.version)
+        state.unacked.append([str(t.id) for t in valid])
+        if state.step % settings.checkpoint_every == 0 or state.step == settings.steps:
+            await checkpoint_and_ack(policy, stream, settings, state)
+        metrics.update(
+            wait_seconds=waited, sync_seconds=sync.seconds, rejected=len(batch) - len(valid)
+        )
+        await on_step(state.step, metrics, valid)
+    return state
+
+
+async def lease_batch(
+    stream: TrajectoryStream, settings: LoopSettings, alive: Callable[[], str | None]
+) -> list[Trajectory]:
+    """`groups_per_batch` whole groups, from as many pulls as it takes."""
+    batch: list[Trajectory] = []
+    groups: set[object] = set()
+    while len(groups) < settings.groups_per_batch:
+        ended = alive()
+        if ended is not None:
+            raise RunEnded(f"the run ended while the trainer waited for data: {ended}")
+        want = (settings.groups_per_batch - len(groups)) * settings.group_size
+        got = await stream.pull(want, timeout=settings.pull_timeout_s)
+        batch += got
+        groups.update(t.group_id or t.id for t in got)
+    return batch
+
+
+async def reject_invalid(
+    stream: TrajectoryStream, batch: Sequence[Trajectory], policy: TorchPolicy, max_tokens: int
+) -> list[Trajectory]:
+    """Trajectories the trainer cannot use are rejected with the reason, not dropped."""
+    valid, rejected = split_valid(batch, max_tokens=max_tokens, vocab_size=policy.vocab_size)
+    for trajectory, why in rejected:
+        await stream.reject(trajectory.id, trajectory.lease_id, why)
+    return valid
+
+
+async def checkpoint_and_ack(
+    policy: TorchPolicy, stream: TrajectoryStream, settings: LoopSettings, state: LoopState
+) -> None:
+    extra = {"unacked": state.unacked}
+    directory = checkpoint_dir(settings.checkpoint_root, state.step)
+    await asyncio.to_thread(policy.save_checkpoint, directory, state.step, state.version, extra)
+    await ack_all(stream, state.unacked)
+    state.unacked = []
+    _prune(settings.checkpoint_root, settings.keep_checkpoints)
+
+
+async def ack_all(stream: TrajectoryStream, unacked: Sequence[Sequence[str]]) -> int:
+    counted = 0
+    for ids in unacked:
+        # Each id under the lease it carries now (`lease_id=None`): a batch may come from
+        # several pulls. An id acknowledged before counts nothing.
+        counted += await stream.ack([uuid.UUID(i) for i in ids], None)
+    return counted
+
+
+async def resume(
+    policy: TorchPolicy, stream: TrajectoryStream, root: Path
+) -> tuple[LoopState, Path | None]:
+    """Restore the newest checkpoint under `root` and settle what it covered."""
+    await stream.reclaim()
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return LoopState(), None
+    step, version, extra = await asyncio.to_thread(policy.load_checkpoint, latest)
+    unacked = [[str(i) for i in ids] for ids in extra.get("unacked", [])]
+    await ack_all(stream, unacked)
+    return LoopState(step=step, version=version), latest
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """Rollout-side figures of a trained batch (fresh samples only for the reward)."""
+    fresh = [t for t in batch if t.times_served == 0] or list(batch)
+    stale = [s for t in batch if (s := t.staleness(version)) is not None]
+    turns = [_policy_turns(t) for t in fresh]
+    return {
+        "reward": sum(t.reward or 0.0 for t in fresh) / len(fresh),
+        "turns": sum(turns) / len(turns),
+        "episode_tokens": sum(len(t.token_ids) for t in fresh) / len(fresh),
+        "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+        "staleness_max": float(max(stale, default=0)),
+        "replayed": float(len(batch) - len([t for t in batch if t.times_served == 0])),
+    }
+
+
+def _policy_turns(trajectory: Trajectory) -> int:
+    starts = trajectory.turn_starts
+    return sum(1 for s in starts if s < len(trajectory.loss_mask) and trajectory.loss_mask[s])
+
+
+def pick(metrics: dict[str, Any], *keys: str) -> dict[str, float]:
+    return {k: float(metrics[k]) for k in keys if k in metrics}

@@ -1,0 +1,136 @@
+"""A run directory: the config, per-step metrics (JSONL), a live progress line, and at
+the end `summary.json` and a PNG plot of reward and episode length against step.
+
+    runs/<name>/
+      config.json          the validated run config
+      metrics.jsonl        one JSON object per trainer step
+      summary.json         first/last 10% mean reward, steps, time, where things are
+      reward.png           reward and turns per episode against step
+      checkpoints/step-N/  model, optimizer, step, version (see trainer.loop)
+      sft/                 the warm-started model, when the run has a warm start
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "reward.png"
+
+
+class RunReport:
+    def __init__(self, directory: Path, total_steps: int, *, out: TextIO | None = None) -> None:
+        self.directory = directory
+        self.total_steps = total_steps
+        self.out = out or sys.stdout
+        self.started = time.perf_counter()
+        self.first_step: int | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = directory / METRICS_FILE
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        (self.directory / "config.json").write_text(json.dumps(config, indent=2))
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": round(time.perf_counter() - self.started, 3), **metrics}
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.first_step is None:
+            self.first_step = step
+        self._progress(step, metrics)
+
+    def _progress(self, step: int, m: dict[str, float]) -> None:
+        elapsed = time.perf_counter() - self.started
+        done = step - (self.first_step or step) + 1
+        per_step = elapsed / max(done, 1)
+        eta = per_step * (self.total_steps - step)
+        line = (
+            f"step {step:>4}/{self.total_steps}  reward {m.get('reward', math.nan):.3f}  "
+            f"turns {m.get('turns', math.nan):.2f}  staleness {m.get('staleness_mean', 0):.2f}  "
+            f"{m.get('tokens_per_s', 0):,.0f} train tok/s  {per_step:.1f} s/step  "
+            f"ETA {_clock(eta)}"
+        )
+        print(line, file=self.out, flush=True)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per step; a step re-run after a resume keeps its latest row."""
+        if not self.metrics_path.exists():
+            return []
+        by_step: dict[int, dict[str, Any]] = {}
+        for line in self.metrics_path.read_text().splitlines():
+            if line:
+                row = json.loads(line)
+                by_step[int(row["step"])] = row
+        return [by_step[s] for s in sorted(by_step)]
+
+    def finish(self, extra: dict[str, Any]) -> dict[str, Any]:
+        rows = self.rows()
+        summary = {**summarize(rows), **extra}
+        (self.directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        try:
+            plot(rows, self.directory / PLOT_FILE)
+            summary["plot"] = str(self.directory / PLOT_FILE)
+        except ImportError as exc:  # the plot is a convenience; the numbers are in JSON
+            summary["plot"] = f"not drawn: {exc}"
+        (self.directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean reward over the first and the last 10% of steps (at least one step each)."""
+    rewards = [float(r["reward"]) for r in rows if "reward" in r]
+    if not rewards:
+        return {"steps": 0}
+    tenth = max(1, len(rewards) // 10)
+    first = sum(rewards[:tenth]) / tenth
+    last = sum(rewards[-tenth:]) / tenth
+    turns = [float(r["turns"]) for r in rows if "turns" in r]
+    return {
+        "steps": len(rows),
+        "first_step": rows[0]["step"],
+        "last_step": rows[-1]["step"],
+        "reward_first_10pct": round(first, 4),
+        "reward_last_10pct": round(last, 4),
+        "reward_gain": round(last - first, 4),
+        "mean_turns": round(sum(turns) / len(turns), 3) if turns else None,
+        "seconds": rows[-1].get("time"),
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(steps, [r.get("reward") for r in rows], lw=0.8, alpha=0.5, label="batch")
+    top.plot(steps, _smooth([r.get("reward", 0.0) for r in rows]), lw=2, label="smoothed")
+    top.set_ylabel("mean reward")
+    top.legend(loc="lower right")
+    bottom.plot(steps, [r.get("turns") for r in rows], color="tab:green")
+    bottom.set_ylabel("turns per episode")
+    bottom.set_xlabel("trainer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"

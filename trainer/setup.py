@@ -1,0 +1,58 @@
+"""From a run config to the trainer's parts: the policy and the loop's settings."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from agentflow.run_config import RunConfig
+from trainer.algorithms import AlgorithmConfig
+from trainer.backends.torch_backend import TorchBackendConfig, TorchPolicy
+from trainer.batching import BatchingConfig
+from trainer.loop import LoopSettings
+
+
+def build_policy(config: RunConfig) -> TorchPolicy:
+    """The model RL starts from (`model.path`, or built from `model.init`) with AdamW."""
+    from agentflow.modeling import build_model, load_model
+
+    model = (
+        load_model(config.model.path)
+        if config.model.path
+        else build_model(config.model.init, seed=config.seed)
+    )
+    trainer = config.trainer
+    return TorchPolicy(
+        model,
+        TorchBackendConfig(
+            device=trainer.device,
+            lr=trainer.lr,
+            max_grad_norm=trainer.max_grad_norm,
+            batching=BatchingConfig(max_tokens_per_microbatch=trainer.max_tokens_per_microbatch),
+        ),
+    )
+
+
+def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:
+    trainer = config.trainer
+    grpo = trainer.algorithm == "grpo"
+    return LoopSettings(
+        steps=trainer.steps,
+        groups_per_batch=max(1, math.ceil(trainer.batch_episodes / config.rollout.group_size)),
+        group_size=config.rollout.group_size,
+        algorithm=AlgorithmConfig(
+            temperature=config.agent.temperature,
+            clip_eps=trainer.clip_eps,
+            clip_eps_high=trainer.clip_eps_high,
+            decoupled=trainer.decoupled,
+            tis_cap=trainer.tis_cap,
+            kl_coef=trainer.kl_coef,
+            normalize_std=grpo,
+            minibatches=trainer.minibatches,
+        ),
+        normalize_std=grpo,
+        checkpoint_root=checkpoint_root,
+        checkpoint_every=trainer.checkpoint_every,
+        keep_checkpoints=trainer.keep_checkpoints,
+        max_tokens=trainer.max_tokens_per_microbatch,
+    )
