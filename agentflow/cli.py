@@ -339,3 +339,7 @@ def trainer_command(
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

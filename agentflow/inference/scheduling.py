@@ -173,4 +173,3 @@ class BatchScheduler:
                 elif len(r.output) >= sp.max_new_tokens or len(r.context) >= self.max_context:
                     finish(r, "length")
         self.rows = stepped
-

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import String, func, insert, select, update
 
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
@@ -172,21 +172,32 @@ class RunExecutor:
             await self.gate.refund_group()
 
     async def _restore_version(self) -> None:
-        """After a restart: the trainer's version, and the groups it has not trained yet."""
+        """After a restart: the trainer's version, and the groups admitted and trained."""
+        group = func.coalesce(Episode.group_id, func.cast(Episode.id, String))
         async with self.sessions() as session:
             version = await session.scalar(select(Run.weight_version).where(Run.id == self.run_id))
-            pending = await session.scalar(
-                select(func.count(func.distinct(Episode.group_id)))
+            admitted = await session.scalar(
+                select(func.count(func.distinct(group)))
                 .select_from(Trajectory)
                 .join(Episode, Episode.id == Trajectory.episode_id)
                 .where(Trajectory.run_id == self.run_id)
-                .where(Trajectory.status.in_(("ready", "leased")))
-                .where(Trajectory.times_served == 0)
+                .where(Trajectory.status.in_(("ready", "leased", "consumed")))
+            )
+            trained = await session.scalar(
+                select(func.count(func.distinct(group)))
+                .select_from(Trajectory)
+                .join(Episode, Episode.id == Trajectory.episode_id)
+                .where(Trajectory.run_id == self.run_id)
+                .where(Trajectory.times_served > 0)
             )
         self.weight_version = version or 0
         if self.gate is not None:
-            groups = self.weight_version * self.gate.groups_per_batch + (pending or 0)
-            self.gate.resume_from(self.weight_version, groups)
+            self.gate.resume_from(self.weight_version, admitted or 0, trained or 0)
+
+    async def trained_groups(self, n: int) -> None:
+        """The trainer trained on `n` groups for the first time."""
+        if self.gate is not None:
+            await self.gate.trained_groups(n)
 
     async def _engine_slots(self) -> tuple[int, int]:
         info = await self.runtime.engine.info()

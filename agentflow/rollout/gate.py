@@ -4,7 +4,10 @@ The unit is a *group* (the `group_size` samples of one task, which the trainer n
 together for group-normalized advantages). With `G` groups per trainer batch, at most
 `(version + max_staleness + 1) * G` groups are ever admitted while the trainer is at
 `version`: so nothing is generated more than `max_staleness` versions ahead of the
-policy that will train on it (AReaL's bound). A group that ends with no trajectory
+policy that will train on it (AReaL's bound). With replay the trainer can step (and
+advance the version) on replayed data, which would let that bound run ahead of what is
+actually trained; so admission is also held to `trained + (max_staleness + 1) * G`,
+where `trained` counts groups trained on for the first time. A group that ends with no trajectory
 (every episode failed or was dropped as stale) is refunded, so the trainer is never
 left waiting for data that cannot come. `max_staleness = 0` is the synchronous
 schedule: one batch, then a barrier until the trainer has stepped.
@@ -24,12 +27,14 @@ class StalenessGate:
         self.groups_per_batch = max(1, math.ceil(batch_episodes / group_size))
         self.version = version
         self.admitted = 0  # groups admitted, refunds subtracted
+        self.trained = 0  # groups the trainer has trained on at least once
         self.refunded = 0
         self._changed = asyncio.Condition()
 
     @property
     def limit(self) -> int:
-        return (self.version + self.max_staleness + 1) * self.groups_per_batch
+        ahead = (self.max_staleness + 1) * self.groups_per_batch
+        return min(self.version * self.groups_per_batch, self.trained) + ahead
 
     def open(self) -> bool:
         return self.admitted < self.limit
@@ -46,13 +51,20 @@ class StalenessGate:
             self.refunded += 1
             self._changed.notify_all()
 
+    async def trained_groups(self, n: int) -> None:
+        async with self._changed:
+            self.trained += n
+            self._changed.notify_all()
+
     async def advance(self, version: int) -> None:
         """The trainer published `version`: admit up to the new bound."""
         async with self._changed:
             self.version = max(self.version, version)
             self._changed.notify_all()
 
-    def resume_from(self, version: int, groups_done: int) -> None:
-        """After a restart: the trainer is at `version` and `groups_done` groups exist."""
+    def resume_from(self, version: int, groups_done: int, trained: int) -> None:
+        """After a restart: the trainer is at `version`, `groups_done` groups exist and
+        `trained` of them were trained on."""
         self.version = version
         self.admitted = groups_done
+        self.trained = trained

@@ -95,6 +95,11 @@ class DbTrajectoryStream:
         self.poll_s = poll_s
         self.counters = StreamCounters()
         self._on_group_dropped: list[Any] = []
+        self._on_fresh_trained: list[Any] = []
+
+    def on_fresh_trained(self, callback: Any) -> None:
+        """`await callback(n)` when an ack trains `n` groups for the first time."""
+        self._on_fresh_trained.append(callback)
 
     def on_group_dropped(self, callback: Any) -> None:
         """`await callback()` once per group whose every trajectory was dropped as stale."""
@@ -285,15 +290,28 @@ class DbTrajectoryStream:
         if not ids:
             return 0
         counted = 0
+        first_groups: set[object] = set()
         async with self.turns.write_transaction() as session:
             for start in range(0, len(ids), 500):
                 chunk = list(ids[start : start + 500])
+                match = [
+                    _trajectories.c.run_id == self.run_id,
+                    _trajectories.c.id.in_(chunk),
+                    _trajectories.c.lease_id.is_not(None),
+                    _trajectories.c.status.in_(("leased", "ready")),
+                ]
+                if lease_id is not None:
+                    match.append(_trajectories.c.lease_id == lease_id)
+                first = await session.execute(
+                    select(_trajectories.c.id, _episodes.c.group_id)
+                    .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+                    .where(*match)
+                    .where(_trajectories.c.times_served == 0)
+                )
+                first_groups.update(row.group_id or row.id for row in first)
                 query = (
                     update(_trajectories)
-                    .where(_trajectories.c.run_id == self.run_id)
-                    .where(_trajectories.c.id.in_(chunk))
-                    .where(_trajectories.c.lease_id.is_not(None))
-                    .where(_trajectories.c.status.in_(("leased", "ready")))
+                    .where(*match)
                     .values(
                         times_served=_trajectories.c.times_served + 1,
                         status=case(
@@ -304,9 +322,10 @@ class DbTrajectoryStream:
                         lease_until=None,
                     )
                 )
-                if lease_id is not None:
-                    query = query.where(_trajectories.c.lease_id == lease_id)
                 counted += _rowcount(await session.execute(query))
+        if first_groups:
+            for callback in self._on_fresh_trained:
+                await callback(len(first_groups))
         self.counters.acked += counted
         return counted
 

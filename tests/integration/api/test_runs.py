@@ -54,6 +54,30 @@ async def test_create_get_list(api: AsyncClient) -> None:
             ["body", "engine", "sglang", "urls"],
         ),
         ({"name": "r", "envs": [{"id": "e"}], "bogus": 1}, ["body", "bogus"]),
+        (
+            {"name": "r", "envs": [{"id": "e"}], "rollout": {"interrupt": "pause"}},
+            ["body", "rollout", "interrupt"],
+        ),
+        (
+            {"name": "r", "envs": [{"id": "e"}], "rollout": {"max_reuse": 0}},
+            ["body", "rollout", "max_reuse"],
+        ),
+        (
+            {"name": "r", "envs": [{"id": "e"}], "rollout": {"group_size": 0}},
+            ["body", "rollout", "group_size"],
+        ),
+        (
+            {
+                "name": "r",
+                "envs": [{"id": "e"}],
+                "rollout": {"elastic": True, "min_concurrency": 9, "max_concurrency": 8},
+            },
+            ["body", "rollout"],
+        ),
+        (
+            {"name": "r", "envs": [{"id": "e"}], "trainer": {"checkpoint_every": 0}},
+            ["body", "trainer", "checkpoint_every"],
+        ),
     ],
 )
 async def test_bad_config_names_the_field(

@@ -8,12 +8,16 @@ from sqlalchemy import update
 
 from agentflow.db.models import Run
 from agentflow.db.turn_tree import TurnTree
+from agentflow.run_config import RunConfig
 from agentflow.types import TurnRecord
 
 
-async def make_run(turns: TurnTree, version: int = 0) -> uuid.UUID:
+async def make_run(turns: TurnTree, version: int = 0, group_size: int = 1) -> uuid.UUID:
+    config = RunConfig.model_validate(
+        {"name": "stream-test", "envs": [{"id": "test/x"}], "rollout": {"group_size": group_size}}
+    ).model_dump(mode="json")
     async with turns.sessions.begin() as session:
-        run = Run(name="stream-test", config={}, status="running", weight_version=version)
+        run = Run(name="stream-test", config=config, status="running", weight_version=version)
         session.add(run)
         await session.flush()
         return run.id

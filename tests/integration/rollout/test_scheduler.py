@@ -107,12 +107,31 @@ async def _settle(executor: RunExecutor, started: int, timeout: float = 30.0) ->
     await asyncio.sleep(0.1)  # nothing more is admitted
 
 
-async def test_the_gate_admits_max_staleness_plus_one_batches_ahead(executor_for: Any) -> None:
+def _stream(turns: TurnTree, executor: RunExecutor, **kw: Any) -> DbTrajectoryStream:
+    """The run's stream, wired to its gate as the run manager wires it."""
+    rollout = executor.config.rollout
+    stream = DbTrajectoryStream(
+        turns, executor.run_id, group_size=rollout.group_size, poll_s=0.05, **kw
+    )
+    stream.on_fresh_trained(executor.trained_groups)
+    stream.on_group_dropped(executor.refund_group)
+    return stream
+
+
+async def test_the_gate_admits_max_staleness_plus_one_batches_ahead(
+    executor_for: Any, turn_tree: TurnTree
+) -> None:
     config = _config(max_staleness=1, batch_episodes=4)  # 2 groups of 2 per batch
     executor = await executor_for(config)
+    stream = _stream(turn_tree, executor)
     await _settle(executor, 8)
     assert executor.counters.started == 8  # (0 + 1 + 1) batches of 4
+    # A trainer step: train on one batch, then publish version 1.
+    batch = await stream.pull(4, timeout=5)
     await executor.update_weights(WeightUpdate(state_dict={}, version=1))
+    await asyncio.sleep(0.1)
+    assert executor.counters.started == 8  # published, but nothing trained yet
+    await stream.ack([t.id for t in batch], batch[0].lease_id)
     await _settle(executor, 12)
     assert executor.counters.started == 12
     assert executor.weight_version == 1
@@ -123,9 +142,7 @@ async def test_a_trainer_never_sees_tokens_older_than_the_bound(
 ) -> None:
     config = _config(max_staleness=1, batch_episodes=4, max_episodes=40)
     executor = await executor_for(config, delay=0.005)
-    stream = DbTrajectoryStream(
-        turn_tree, executor.run_id, group_size=2, max_staleness=1, poll_s=0.05
-    )
+    stream = _stream(turn_tree, executor, max_staleness=1)
     version, seen = 0, []
     while version < 8:
         batch: list[Any] = []
@@ -135,7 +152,7 @@ async def test_a_trainer_never_sees_tokens_older_than_the_bound(
         seen += [t.staleness(version) for t in batch]
         await asyncio.sleep(0.02)  # "train"
         version = await executor.update_weights(WeightUpdate(state_dict={}))
-        await stream.ack([t.id for t in batch], batch[0].lease_id)
+        await stream.ack([t.id for t in batch])  # several pulls: each under its own lease
     assert len(seen) == 32 and max(s for s in seen if s is not None) <= 1
     assert stream.counters.dropped_stale == 0  # the gate, not the drop, kept the bound
 

@@ -23,4 +23,3 @@ def sandbox_processes(marker: str) -> list[int]:
         if needle in _read(f"/proc/{name}/cgroup") or needle in _read(f"/proc/{name}/cmdline"):
             found.append(int(name))
     return found
-

@@ -88,7 +88,7 @@ async def test_transient_setup_failure_is_retried(make_sandbox):
         script.write_text(
             "#!/bin/sh\n"
             f"if [ ! -e {d}/tried ]; then touch {d}/tried\n"
-            "  echo \"bwrap: Can't fork for pid 1: Resource temporarily unavailable\" >&2\n"
+            '  echo "bwrap: Can\'t fork for pid 1: Resource temporarily unavailable" >&2\n'
             "  exit 1\n"
             "fi\necho ran\n"
         )

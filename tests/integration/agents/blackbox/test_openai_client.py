@@ -210,8 +210,10 @@ def tool_calling_run(gateway, engine) -> Iterator[tuple[uuid.UUID, str]]:
     template = ByteChatTemplate()
     prompt = template.render(messages, tools=env.tools()).token_ids
     call = json.dumps({"name": "lookup", "arguments": {"key": f"{person}.friend"}})
-    target = [*template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>",
-                                         allow_special=True), template.tokenizer.end_id]
+    target = [
+        *template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>", allow_special=True),
+        template.tokenizer.end_id,
+    ]
     torch.manual_seed(0)
     model = build_model(TINY, seed=0)
     ids = torch.tensor([prompt + target])
@@ -246,17 +248,29 @@ async def test_model_made_tool_calls_round_trip(gateway, tool_calling_run, strea
     messages: list[dict[str, Any]] = [SYSTEM, *dump(first.observation.messages)]
     async with client_for(gateway, episode) as client:
         if stream:
-            chunks = [c async for c in await client.chat.completions.create(
-                model="m", messages=messages, tools=env.tools(), stream=True)]
+            chunks = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="m", messages=messages, tools=env.tools(), stream=True
+                )
+            ]
             deltas = [c.choices[0].delta for c in chunks if c.choices]
             head = next(d.tool_calls[0] for d in deltas if d.tool_calls)
             arguments = "".join(
                 tc.function.arguments or "" for d in deltas for tc in d.tool_calls or ()
             )
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-            message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": head.id, "type": "function",
-                 "function": {"name": head.function.name, "arguments": arguments}}]}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": head.id,
+                        "type": "function",
+                        "function": {"name": head.function.name, "arguments": arguments},
+                    }
+                ],
+            }
             turn_id = uuid.UUID(chunks[0].id.removeprefix("chatcmpl-"))
         else:
             answer = await client.chat.completions.create(
@@ -271,8 +285,15 @@ async def test_model_made_tool_calls_round_trip(gateway, tool_calling_run, strea
         assert json.loads(call["function"]["arguments"]) == {"key": key}
 
         # The agent runs the model's call on the env and sends the result back.
-        action = ToolCallsAction(calls=[{"id": call["id"], "name": "lookup",
-                                         "arguments": json.loads(call["function"]["arguments"])}])
+        action = ToolCallsAction(
+            calls=[
+                {
+                    "id": call["id"],
+                    "name": "lookup",
+                    "arguments": json.loads(call["function"]["arguments"]),
+                }
+            ]
+        )
         result = await env.step(action)
         messages += [message, *dump(result.observation.messages)]
         assert messages[-1]["tool_call_id"] == call["id"]

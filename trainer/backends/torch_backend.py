@@ -1,0 +1,448 @@
+"""The `torch` trainer backend: an HF causal LM on CPU or CUDA, AdamW, one step per batch.
+
+    TorchPolicy(model, config)
+      .train_step(trajectories, advantages, algorithm) -> metrics
+      .logprobs(microbatch, temperature)               -> (rows, width) log-probs
+      .state_dict()                                    -> HF names → tensors, for weight sync
+      .save_checkpoint(dir, step, version, extra) / .load_checkpoint(dir)
+
+A step: lay the batch out as micro-batches (`trainer.batching`), compute what must be
+fixed before the update with no grad (proximal log-probs when needed, reference
+log-probs for a KL term), then per micro-batch the loss (`trainer.algorithms`) and its
+backward, accumulating gradients; clip; AdamW step. With `algorithm.minibatches > 1` the
+batch is split and each part takes its own optimizer step.
+
+The proximal pass: π_prox is the weights before the update. With one optimizer step per
+batch (the default) every micro-batch's gradient pass runs on exactly those weights, so
+its own detached log-probs *are* the proximal log-probs and a separate forward would
+recompute the same numbers (`proximal = "auto"` skips it; `"recompute"` runs it anyway).
+With several mini-batches the later ones run on updated weights, so the pass is needed.
+
+Log-probs are `agentflow.modeling.token_logprobs` of the logits at the predicting
+positions, the same function the engine's scores use. The LM head runs only on the
+positions that are needed (policy tokens), not the whole grid: with a large vocabulary
+the full logits are the biggest tensor of the step. The model stays in eval mode: RL
+ratios need a deterministic forward (no dropout); gradients flow all the same.
+
+Distributed (FSDP2): when `torch.distributed` is initialised and the device is CUDA,
+each decoder layer and then the root are wrapped with `fully_shard`; the forward runs
+through the root module (hooks gather the shards) and takes the logits of the needed
+positions from it; gradients are reduced only on a mini-batch's last micro-batch; the
+token-mean denominator is the global policy-token count; every rank runs the same number
+of micro-batches (short ranks repeat one with zero loss weight, as FSDP's collectives
+need every rank); state dicts are gathered full on CPU and rank 0 writes checkpoints.
+This path is not exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentflow.errors import InvalidInput, NotFound
+from agentflow.modeling import MODEL_INIT_FILE, load_model, save_model, token_logprobs
+from agentflow.types import Trajectory
+from trainer.algorithms import AlgorithmConfig, policy_loss
+from trainer.batching import BatchingConfig, MicroBatch, build_microbatches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+CHECKPOINT_FORMAT = 1
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+MODEL_DIR = "model"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class TorchBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(default="cpu", description="`cpu`, `cuda` or `cuda:N`")
+    lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="clip the global grad norm")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class TorchPolicy:
+    """The trained policy; `reference` (frozen) is only needed for a KL term."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: TorchBackendConfig | None = None,
+        *,
+        reference: PreTrainedModel | None = None,
+    ) -> None:
+        self.config = config or TorchBackendConfig()
+        self.device = torch.device(self.config.device)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.reference = None if reference is None else reference.to(self.device).eval()  # type: ignore[arg-type]
+        if self.reference is not None:
+            self.reference.requires_grad_(False)
+        self.sharded = _distributed() and self.device.type == "cuda"
+        if self.sharded:
+            self._shard()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.adam_eps,
+            weight_decay=self.config.weight_decay,
+        )
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+
+    # -- forward ------------------------------------------------------------------------
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    def _selected_logprobs(
+        self,
+        model: Any,
+        mb: MicroBatch,
+        temperature: float,
+        select: torch.Tensor,
+        *,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of `mb.targets` at the `select`ed positions (flat, row-major), and
+        optionally the entropy of log_softmax(logits / T) there (no grad)."""
+        inputs = {
+            "input_ids": mb.input_ids,
+            "position_ids": mb.position_ids,
+            "attention_mask": mb.attention_mask,
+            "use_cache": False,
+        }
+        if self.sharded:
+            logits = model(**inputs).logits[select]
+        else:
+            hidden = model.get_decoder()(**inputs).last_hidden_state
+            logits = model.get_output_embeddings()(hidden[select])
+        logp = token_logprobs(logits, mb.targets[select], temperature)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                scaled = logits / temperature if temperature > 0 else logits
+                all_logp = torch.log_softmax(scaled.float(), dim=-1)
+                ent = -(all_logp.exp() * all_logp).sum(-1)
+        return logp, ent
+
+    def logprobs(self, microbatch: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        """(rows, width) log-prob of each position's target token; 0 where none is valid."""
+        mb = microbatch.to(self.device)
+        with torch.no_grad():
+            flat, _ = self._selected_logprobs(self.model, mb, temperature, mb.target_valid)
+        grid = torch.zeros(mb.target_valid.shape, dtype=torch.float32, device=self.device)
+        grid[mb.target_valid] = flat
+        return grid
+
+    # -- training -----------------------------------------------------------------------
+
+    def train_step(
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: Sequence[float],
+        algorithm: AlgorithmConfig | None = None,
+    ) -> dict[str, float]:
+        """One batch: `algorithm.minibatches` optimizer steps; returns the step's metrics."""
+        algorithm = algorithm or AlgorithmConfig()
+        if not trajectories:
+            raise InvalidInput("no trajectories to train on", field="trajectories")
+        if len(advantages) != len(trajectories):
+            raise InvalidInput(
+                f"{len(advantages)} advantages for {len(trajectories)} trajectories",
+                field="advantages",
+            )
+        if algorithm.kl_coef > 0 and self.reference is None:
+            raise InvalidInput("kl_coef > 0 needs a reference model", field="kl_coef")
+        started = time.perf_counter()
+        parts = _split(len(trajectories), algorithm.minibatches)
+        minibatches = [
+            [
+                mb.to(self.device)
+                for mb in build_microbatches(
+                    [trajectories[i] for i in part],
+                    [advantages[i] for i in part],
+                    self.config.batching,
+                    vocab_size=self.vocab_size,
+                )
+            ]
+            for part in parts
+        ]
+        temperature = algorithm.temperature
+        batched = time.perf_counter()
+
+        # What must be fixed before the first update, computed with no grad.
+        need_prox = algorithm.decoupled and (
+            algorithm.minibatches > 1 or algorithm.proximal == "recompute"
+        )
+        fixed_prox: dict[int, torch.Tensor] = {}
+        fixed_ref: dict[int, torch.Tensor] = {}
+        if need_prox or algorithm.kl_coef > 0:
+            with torch.no_grad():
+                for mb in (mb for part in minibatches for mb in part):
+                    if need_prox:
+                        fixed_prox[id(mb)] = self._selected_logprobs(
+                            self.model, mb, temperature, mb.loss_mask
+                        )[0]
+                    if algorithm.kl_coef > 0:
+                        fixed_ref[id(mb)] = self._selected_logprobs(
+                            self.reference, mb, temperature, mb.loss_mask
+                        )[0]
+        fixed_s = time.perf_counter() - batched
+
+        sums: dict[str, float] = defaultdict(float)
+        max_is_weight = 0.0
+        losses, norms = [], []
+        skipped = 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for part in minibatches:
+            total = float(sum(mb.num_policy_tokens for mb in part))
+            count = len(part)
+            if self.sharded:
+                total, count = _global_sum_and_max(total, count, self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            part_loss = 0.0
+            for k in range(count):
+                mb = part[min(k, len(part) - 1)]
+                dummy = k >= len(part)  # FSDP: a short rank repeats one, with no weight
+                if self.sharded:
+                    self.model.set_requires_gradient_sync(k == count - 1)
+                logp, ent = self._selected_logprobs(
+                    self.model, mb, temperature, mb.loss_mask, entropy=algorithm.entropy
+                )
+                loss, metrics = policy_loss(
+                    logp,
+                    fixed_prox.get(id(mb), logp.detach()),
+                    mb.policy_values(mb.behaviour_logprobs),
+                    mb.policy_values(mb.advantages),
+                    mb.policy_values(mb.loss_weights) * (0.0 if dummy else 1.0),
+                    algorithm,
+                    normalizer=total,
+                    logp_ref=fixed_ref.get(id(mb)),
+                )
+                loss.backward()
+                if dummy:
+                    continue
+                part_loss += float(loss.detach())
+                n = metrics.pop("tokens")
+                max_is_weight = max(max_is_weight, metrics.pop("max_is_weight"))
+                for key, value in metrics.items():
+                    sums[key] += value * n
+                sums["policy_tokens"] += n
+                if ent is not None:
+                    sums["entropy"] += float(ent.sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+            norm = float(
+                grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            )
+            if math.isfinite(norm):
+                self.optimizer.step()
+            else:  # a non-finite gradient would poison AdamW's moments: skip the update
+                skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(part_loss)
+            norms.append(norm)
+
+        seconds = time.perf_counter() - started
+        policy_tokens = sums.pop("policy_tokens")
+        tokens = sum(mb.num_tokens for part in minibatches for mb in part)
+        out = {key: value / policy_tokens for key, value in sums.items()}
+        out.update(
+            loss=sum(losses) / len(losses),
+            grad_norm=sum(norms) / len(norms),
+            max_is_weight=max_is_weight,
+            tokens=float(tokens),
+            policy_tokens=policy_tokens,
+            trajectories=float(len(trajectories)),
+            microbatches=float(sum(len(part) for part in minibatches)),
+            optimizer_steps=float(len(minibatches) - skipped),
+            skipped_steps=float(skipped),
+            seconds=seconds,
+            batching_seconds=batched - started,
+            no_grad_pass_seconds=fixed_s,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+        )
+        return out
+
+    # -- weights and checkpoints --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """HF parameter names → detached CPU tensors. On a CPU model these alias the live
+        parameters (no copy): hand them to a publisher, which copies, before the next step."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
+        return {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
+
+    def save_checkpoint(
+        self,
+        directory: str | Path,
+        step: int,
+        weight_version: int,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write model (HF format), optimizer, step, version and `extra` (JSON) into
+        `directory`, atomically: a temporary sibling renamed into place (an existing
+        checkpoint there is replaced). Under FSDP every rank must call it; rank 0 writes."""
+        final = Path(directory)
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": int(step),
+            "weight_version": int(weight_version),
+            "extra": extra or {},
+        }
+        try:
+            text = json.dumps(state, indent=2)  # fail before writing anything
+        except (TypeError, ValueError) as e:
+            raise InvalidInput(f"checkpoint extra must be JSON: {e}", field="extra") from e
+        model_state, optim_state = self._full_states()
+        if self.sharded and torch.distributed.get_rank() != 0:
+            return final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            if model_state is None:
+                save_model(self.model, tmp / MODEL_DIR)
+            else:
+                self.model.save_pretrained(tmp / MODEL_DIR, state_dict=model_state)
+                init = getattr(self.model.config, "agentflow_init", None)
+                if init is not None:
+                    (tmp / MODEL_DIR / MODEL_INIT_FILE).write_text(json.dumps(init, indent=2))
+            torch.save(optim_state, tmp / OPTIMIZER_FILE)
+            (tmp / STATE_FILE).write_text(text)
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _full_states(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+        """(full model state or None to save the model as is, optimizer state)."""
+        if not self.sharded:
+            return None, self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (
+            cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options)),
+            get_optimizer_state_dict(self.model, self.optimizer, options=options),
+        )
+
+    def load_checkpoint(self, directory: str | Path) -> tuple[int, int, dict[str, Any]]:
+        """Restore weights and optimizer state from `directory`; (step, version, extra)."""
+        path = Path(directory)
+        state_file = path / STATE_FILE
+        if not state_file.is_file():
+            raise NotFound(f"no trainer checkpoint at {path} ({STATE_FILE} missing)")
+        state = json.loads(state_file.read_text())
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise InvalidInput(f"unknown checkpoint format {state.get('format')!r}", field="format")
+        weights = load_model(path / MODEL_DIR).state_dict()
+        optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, weights, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=options)
+        else:
+            self.model.load_state_dict(weights, strict=True)
+            self.optimizer.load_state_dict(optim)
+        return int(state["step"]), int(state["weight_version"]), dict(state["extra"])
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """Where step `step`'s checkpoint goes under `root` (what `latest_checkpoint` finds)."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete `step-N` checkpoint under `root` with the highest N; None if none."""
+    best: tuple[int, Path] | None = None
+    base = Path(root)
+    if not base.is_dir():
+        return None
+    for entry in base.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / STATE_FILE).is_file():
+            step = int(match.group(1))
+            if best is None or step > best[0]:
+                best = (step, entry)
+    return None if best is None else best[1]
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous, nearly equal, non-empty chunks (fewer if n < parts)."""
+    parts = min(parts, n)
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(parts)]
+
+
+def _global_sum_and_max(total: float, count: int, device: torch.device) -> tuple[float, int]:
+    """FSDP: the policy-token count summed over ranks, the micro-batch count maxed."""
+    t = torch.tensor([total], dtype=torch.float64, device=device)
+    c = torch.tensor([count], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t)
+    torch.distributed.all_reduce(c, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item()), int(c.item())
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    for path in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
