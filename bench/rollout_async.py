@@ -220,16 +220,7 @@ async def measure(args: argparse.Namespace, url: str, name: str) -> Measured:
         gateway_url="http://127.0.0.1:1",
         secret_key="bench-only-secret",
     )
-    stream = DbTrajectoryStream(
-        turns,
-        run_id,
-        group_size=rollout.group_size,
-        max_staleness=rollout.max_staleness,
-        max_reuse=rollout.max_reuse,
-        stale_policy=rollout.stale_policy,
-        lease_s=rollout.lease_s,
-    )
-    stream.on_group_dropped(executor.refund_group)
+    stream = executor.trajectory_stream()
     steps: list[TrainStep] = []
     await executor.start()
     training = asyncio.create_task(trainer(stream, executor, args.batch, args.train_s, steps))

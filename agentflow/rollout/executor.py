@@ -44,6 +44,7 @@ from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.elastic import ElasticLimit, ElasticPool
 from agentflow.rollout.envs import EnvSource
 from agentflow.rollout.gate import StalenessGate
+from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,22 @@ class RunExecutor:
         if self.gate is not None:
             await self.gate.advance(version)
         return version
+
+    def trajectory_stream(self) -> DbTrajectoryStream:
+        """The run's trajectory stream, wired to this scheduler's gate."""
+        rollout = self.config.rollout
+        stream = DbTrajectoryStream(
+            self.turns,
+            self.run_id,
+            group_size=rollout.group_size,
+            max_staleness=rollout.max_staleness if rollout.wait_for_trainer else None,
+            max_reuse=rollout.max_reuse,
+            stale_policy=rollout.stale_policy,
+            lease_s=rollout.lease_s,
+        )
+        stream.on_group_dropped(self.refund_group)
+        stream.on_fresh_trained(self.trained_groups)
+        return stream
 
     async def refund_group(self) -> None:
         """A group lost all its trajectories (dropped as stale): admit another."""

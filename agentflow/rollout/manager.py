@@ -79,9 +79,7 @@ class RunManager:
             on_finish=self._finished,
         )
         self.executors[run_id] = executor
-        self._streams[run_id] = stream = self._stream_for(run_id, config)
-        stream.on_group_dropped(executor.refund_group)
-        stream.on_fresh_trained(executor.trained_groups)
+        self._streams[run_id] = executor.trajectory_stream()
         await executor.start(paused=paused)
 
     def _stream_for(self, run_id: uuid.UUID, config: RunConfig) -> DbTrajectoryStream:

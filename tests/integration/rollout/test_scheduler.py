@@ -108,13 +108,11 @@ async def _settle(executor: RunExecutor, started: int, timeout: float = 30.0) ->
 
 
 def _stream(turns: TurnTree, executor: RunExecutor, **kw: Any) -> DbTrajectoryStream:
-    """The run's stream, wired to its gate as the run manager wires it."""
-    rollout = executor.config.rollout
-    stream = DbTrajectoryStream(
-        turns, executor.run_id, group_size=rollout.group_size, poll_s=0.05, **kw
-    )
-    stream.on_fresh_trained(executor.trained_groups)
-    stream.on_group_dropped(executor.refund_group)
+    """The run's stream, wired to its gate, with a short poll for the test."""
+    stream = executor.trajectory_stream()
+    stream.poll_s = 0.05
+    for name, value in kw.items():
+        setattr(stream, name, value)
     return stream
 
 
