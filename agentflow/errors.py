@@ -7,6 +7,7 @@
      ├── Conflict                     409  a duplicate, or a state that forbids the action
      ├── CapacityExceeded             503  a concurrency cap is full; retry later
      ├── SchemaOutOfDate              503  the database needs `agentflow db upgrade`
+     ├── EnvTimeout                   504  an environment did not answer a step in time
      └── EngineError                  502  an inference engine failed
           ├── EngineRequestError      422  the engine refused this request (bad ids, lengths)
           └── EngineUnavailable       503  transport error or 5xx after retries
@@ -54,6 +55,10 @@ class CapacityExceeded(AgentFlowError):
 
 class SchemaOutOfDate(AgentFlowError):
     status_code = 503
+
+
+class EnvTimeout(AgentFlowError):
+    status_code = 504
 
 
 class EngineError(AgentFlowError):

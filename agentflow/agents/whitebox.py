@@ -24,7 +24,7 @@ from typing import Any
 
 from agentflow.agents.base import EpisodeHandle, EpisodeOutcome
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.errors import AgentFlowError
+from agentflow.errors import AgentFlowError, EnvTimeout
 from agentflow.inference.base import Engine, GenerateRequest, GenerateResult, SessionRef
 from agentflow.metrics import GatewayMetrics
 from agentflow.tokenization.tool_calls import ParsedAssistant
@@ -64,6 +64,7 @@ class WhiteBoxAgent:
 
     park_after_s: float | None = 5.0
     step_timeout_s: float | None = 60.0
+    step_grace_s: float = 1.0  # beyond the env's own timeout, before the agent gives up
     system_prompt: str | None = None
     metrics: GatewayMetrics | None = None
 
@@ -197,9 +198,15 @@ class WhiteBoxAgent:
 
             parker = asyncio.create_task(park_later())
         started = time.perf_counter()
+        timeout = episode.step_timeout_s or self.step_timeout_s
         try:
-            timeout = episode.step_timeout_s or self.step_timeout_s
-            step = await episode.env.step(action, timeout_s=timeout)
+            # The env gets its timeout, and is held to it: an env that hangs fails this
+            # episode, never the run.
+            limit = None if timeout is None else timeout + self.step_grace_s
+            async with asyncio.timeout(limit):
+                step = await episode.env.step(action, timeout_s=timeout)
+        except TimeoutError:
+            raise EnvTimeout(f"the env did not answer a step within {timeout} s") from None
         finally:
             ended = time.perf_counter()
             if parker is not None:

@@ -64,3 +64,11 @@ class GatedEnv(SlowEnv):
         finally:
             GatedEnv.waiting -= 1
         return await super().step(action, timeout_s)
+
+
+class HangingEnv(SlowEnv):
+    """Never answers a step, whatever timeout it is given."""
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")

@@ -22,7 +22,7 @@ from agentflow.run_config import RunConfig
 from agentflow.tokenization.chat import ByteChatTemplate
 from envs import registry
 from tests.integration.rollout.instant_engine import InstantEngine
-from tests.integration.rollout.scripted_envs import BrokenEnv, SlowEnv
+from tests.integration.rollout.scripted_envs import BrokenEnv, HangingEnv, SlowEnv
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +31,11 @@ pytestmark = pytest.mark.integration
 def scripted_envs() -> Iterator[None]:
     registry.register("test/Slow-v0", SlowEnv, replace=True)
     registry.register("test/Broken-v0", BrokenEnv, replace=True)
+    registry.register("test/Hanging-v0", HangingEnv, replace=True)
     SlowEnv.live = SlowEnv.peak = 0
     yield
-    registry.unregister("test/Slow-v0")
-    registry.unregister("test/Broken-v0")
+    for env_id in ("test/Slow-v0", "test/Broken-v0", "test/Hanging-v0"):
+        registry.unregister(env_id)
 
 
 def _config(**rollout: Any) -> RunConfig:
@@ -57,7 +58,11 @@ async def executor_for(
     made: list[RunExecutor] = []
 
     async def make(
-        config: RunConfig, env: str = "test/Slow-v0", delay: float = 0.0, **env_kwargs: Any
+        config: RunConfig,
+        env: str = "test/Slow-v0",
+        delay: float = 0.0,
+        step_timeout_s: float | None = None,
+        **env_kwargs: Any,
     ) -> RunExecutor:
         async with turn_tree.sessions.begin() as session:
             run = Run(name=config.name, config=config.model_dump(mode="json"), status="pending")
@@ -77,7 +82,7 @@ async def executor_for(
             ref=env,
             weight=1.0,
             max_concurrency=entry.max_concurrency,
-            step_timeout_s=None,
+            step_timeout_s=step_timeout_s,
             kwargs={"delay": 0.01, "steps": 2, **env_kwargs},
         )
         executor = RunExecutor(
@@ -86,7 +91,7 @@ async def executor_for(
             turns=turn_tree,
             runtime=runtime,
             sources=[source],
-            agent=WhiteBoxAgent(park_after_s=None),
+            agent=WhiteBoxAgent(park_after_s=None, step_grace_s=0.05),
             gateway_url="http://unused",
             secret_key="k",
         )
@@ -221,3 +226,13 @@ async def test_an_elastic_run_keeps_its_caps(executor_for: Any) -> None:
     await _settle(executor, 60)
     assert executor.counters.by_status == {"completed": 60}
     assert all(2 <= n <= 12 for n in executor.pool.history)
+
+
+async def test_an_env_that_hangs_fails_its_episodes_not_the_run(executor_for: Any) -> None:
+    config = _config(wait_for_trainer=False, max_episodes=4, max_concurrency=4)
+    executor = await executor_for(config, env="test/Hanging-v0", step_timeout_s=0.1)
+    await _settle(executor, 4, timeout=20)
+    assert executor.counters.by_status == {"failed": 4}
+    assert "did not answer a step within 0.1 s" in (executor.counters.last_error or "")
+    assert executor.state == "finished"  # the run itself ends normally
+    assert SlowEnv.live == 0  # every hung env was closed
