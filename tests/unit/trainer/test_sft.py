@@ -33,11 +33,11 @@ from agentflow.tokenization.chat import ByteChatTemplate
 from agentflow.types import Trajectory
 from envs import registry
 from envs.base import TextAction
+from trainer.evaluation import evaluate
 from trainer.sft import (
     SFT_METRICS_FILE,
     SftConfig,
     SftSequence,
-    evaluate,
     oracle_episodes,
     reply_token_ids,
     run_sft,
