@@ -180,7 +180,7 @@ class RunExecutor:
             lease_s=rollout.lease_s,
         )
         stream.on_group_dropped(self.refund_group)
-        stream.on_fresh_trained(self.trained_groups)
+        stream.on_taken(self.groups_taken)
         return stream
 
     async def refund_group(self) -> None:
@@ -200,21 +200,21 @@ class RunExecutor:
                 .where(Trajectory.run_id == self.run_id)
                 .where(Trajectory.status.in_(("ready", "leased", "consumed")))
             )
-            trained = await session.scalar(
+            taken = await session.scalar(
                 select(func.count(func.distinct(group)))
                 .select_from(Trajectory)
                 .join(Episode, Episode.id == Trajectory.episode_id)
                 .where(Trajectory.run_id == self.run_id)
-                .where(Trajectory.times_served > 0)
+                .where(Trajectory.lease_id.is_not(None) | (Trajectory.times_served > 0))
             )
         self.weight_version = version or 0
         if self.gate is not None:
-            self.gate.resume_from(self.weight_version, admitted or 0, trained or 0)
+            self.gate.resume_from(self.weight_version, admitted or 0, taken or 0)
 
-    async def trained_groups(self, n: int) -> None:
-        """The trainer trained on `n` groups for the first time."""
+    async def groups_taken(self, n: int) -> None:
+        """The trainer leased `n` fresh groups for the first time."""
         if self.gate is not None:
-            await self.gate.trained_groups(n)
+            await self.gate.groups_taken(n)
 
     async def _engine_slots(self) -> tuple[int, int]:
         info = await self.runtime.engine.info()

@@ -95,11 +95,11 @@ class DbTrajectoryStream:
         self.poll_s = poll_s
         self.counters = StreamCounters()
         self._on_group_dropped: list[Any] = []
-        self._on_fresh_trained: list[Any] = []
+        self._on_taken: list[Any] = []
 
-    def on_fresh_trained(self, callback: Any) -> None:
-        """`await callback(n)` when an ack trains `n` groups for the first time."""
-        self._on_fresh_trained.append(callback)
+    def on_taken(self, callback: Any) -> None:
+        """`await callback(n)` when a pull hands out `n` groups never leased before."""
+        self._on_taken.append(callback)
 
     def on_group_dropped(self, callback: Any) -> None:
         """`await callback()` once per group whose every trajectory was dropped as stale."""
@@ -168,6 +168,11 @@ class DbTrajectoryStream:
         for _ in range(dropped_groups):
             for callback in self._on_group_dropped:
                 await callback()
+        # Groups taken for the first time (an expired or reclaimed lease keeps its id).
+        taken = {row.group_id or row.id for row in chosen[:n_fresh] if row.lease_id is None}
+        if taken:
+            for callback in self._on_taken:
+                await callback(len(taken))
         if not chosen:
             return []
         views = await self.turns.trajectories([row.id for row in chosen])
@@ -242,6 +247,7 @@ class DbTrajectoryStream:
                 _episodes.c.group_id,
                 _trajectories.c.times_served,
                 _trajectories.c.created_at,
+                _trajectories.c.lease_id,
             )
             .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
             .where(_trajectories.c.run_id == self.run_id)
@@ -290,7 +296,6 @@ class DbTrajectoryStream:
         if not ids:
             return 0
         counted = 0
-        first_groups: set[object] = set()
         async with self.turns.write_transaction() as session:
             for start in range(0, len(ids), 500):
                 chunk = list(ids[start : start + 500])
@@ -302,13 +307,6 @@ class DbTrajectoryStream:
                 ]
                 if lease_id is not None:
                     match.append(_trajectories.c.lease_id == lease_id)
-                first = await session.execute(
-                    select(_trajectories.c.id, _episodes.c.group_id)
-                    .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-                    .where(*match)
-                    .where(_trajectories.c.times_served == 0)
-                )
-                first_groups.update(row.group_id or row.id for row in first)
                 query = (
                     update(_trajectories)
                     .where(*match)
@@ -323,9 +321,6 @@ class DbTrajectoryStream:
                     )
                 )
                 counted += _rowcount(await session.execute(query))
-        if first_groups:
-            for callback in self._on_fresh_trained:
-                await callback(len(first_groups))
         self.counters.acked += counted
         return counted
 

@@ -54,9 +54,9 @@ async def test_consistency_and_batching_on_cuda(engine):
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 200))] for _ in range(64)]
     lengths = [rng.randrange(1, 64) for _ in range(64)]
     temps = [(0.0, 0.7, 1.0)[i % 3] for i in range(64)]
-    results = await asyncio.gather(*[
-        engine.generate(req(p, n, t)) for p, n, t in zip(prompts, lengths, temps, strict=True)
-    ])
+    results = await asyncio.gather(
+        *[engine.generate(req(p, n, t)) for p, n, t in zip(prompts, lengths, temps, strict=True)]
+    )
     assert [len(r.output_ids) for r in results] == lengths
     rows = zip(prompts, results, temps, strict=True)
     worst = max(diff(engine.model, p, r, t) for p, r, t in rows)
@@ -74,10 +74,12 @@ async def test_join_mid_batch_on_cuda(engine):
 
 async def test_session_reuse_on_cuda(engine):
     sid = await engine.open_session()
-    first = await engine.generate(req(list(range(50)), 20, 0.0, rid="a",
-                                      session=SessionRef(session_id=sid)))
-    child = await engine.generate(req([7, 8, 9], 20, 0.0,
-                                      session=SessionRef(session_id=sid, parent_rid="a")))
+    first = await engine.generate(
+        req(list(range(50)), 20, 0.0, rid="a", session=SessionRef(session_id=sid))
+    )
+    child = await engine.generate(
+        req([7, 8, 9], 20, 0.0, session=SessionRef(session_id=sid, parent_rid="a"))
+    )
     full = list(range(50)) + first.output_ids + [7, 8, 9]
     stateless = await engine.generate(req(full, 20, 0.0))
     assert child.cached_tokens > 0 and child.output_ids == stateless.output_ids

@@ -28,13 +28,16 @@ def test_build_leaves_global_rng_alone():
     assert torch.equal(torch.rand(1), expected)
 
 
-@pytest.mark.parametrize("bad", [
-    {"hidden": 30, "heads": 4},  # not divisible
-    {"heads": 4, "kv_heads": 3},
-    {"layers": 0},
-    {"tokenizer": "gpt2"},
-    {"unknown": 1},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"hidden": 30, "heads": 4},  # not divisible
+        {"heads": 4, "kv_heads": 3},
+        {"layers": 0},
+        {"tokenizer": "gpt2"},
+        {"unknown": 1},
+    ],
+)
 def test_init_validation(bad):
     with pytest.raises(ValidationError):
         ModelInit(**{"hidden": 32, "heads": 4, **bad})

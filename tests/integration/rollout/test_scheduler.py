@@ -129,11 +129,11 @@ async def test_the_gate_admits_max_staleness_plus_one_batches_ahead(
     stream = _stream(turn_tree, executor)
     await _settle(executor, 8)
     assert executor.counters.started == 8  # (0 + 1 + 1) batches of 4
-    # A trainer step: train on one batch, then publish version 1.
+    # A trainer step: take one batch (nothing opens yet), then publish version 1.
     batch = await stream.pull(4, timeout=5)
-    await executor.update_weights(WeightUpdate(state_dict={}, version=1))
     await asyncio.sleep(0.1)
-    assert executor.counters.started == 8  # published, but nothing trained yet
+    assert executor.counters.started == 8
+    await executor.update_weights(WeightUpdate(state_dict={}, version=1))
     await stream.ack([t.id for t in batch], batch[0].lease_id)
     await _settle(executor, 12)
     assert executor.counters.started == 12

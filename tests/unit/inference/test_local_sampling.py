@@ -65,8 +65,15 @@ def test_session_store_evicts_least_recently_used():
 
 
 def test_slot_kv_grows_keeps_data_and_moves_rows():
-    kv = SlotKV(layers=2, slots=3, kv_heads=1, head_dim=2, dtype=torch.float32,
-                device=torch.device("cpu"), chunk=4)
+    kv = SlotKV(
+        layers=2,
+        slots=3,
+        kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        chunk=4,
+    )
     kv.ensure(3)
     assert kv.capacity == 4 and kv.scratch == 3
     kv.k[0][1, 0, :3] = torch.arange(6.0).view(3, 2)

@@ -1,5 +1,5 @@
-"""`StalenessGate`: admission in groups, bounded by the trainer's version and by what it
-has trained on."""
+"""`StalenessGate`: admission in groups, bounded by the trainer's version and by the fresh
+groups it has taken."""
 
 from __future__ import annotations
 
@@ -20,16 +20,16 @@ async def test_admits_max_staleness_plus_one_batches_ahead() -> None:
     gate = StalenessGate(max_staleness=2, batch_episodes=32, group_size=8)  # 4 groups a batch
     assert await _admit_all(gate) == 12
     await gate.advance(1)
-    assert not gate.open()  # a version alone admits nothing: nothing was trained
-    await gate.trained_groups(4)
+    assert not gate.open()  # a version alone admits nothing: nothing was taken
+    await gate.groups_taken(4)
     assert await _admit_all(gate) == 4
 
 
 async def test_replayed_steps_advance_the_version_but_not_admission() -> None:
     gate = StalenessGate(max_staleness=0, batch_episodes=8, group_size=4)  # 2 groups a batch
     await _admit_all(gate)
-    await gate.trained_groups(2)
-    for version in (1, 2, 3):  # the trainer steps on replays: nothing new trained
+    await gate.groups_taken(2)
+    for version in (1, 2, 3):  # the trainer steps on replays: nothing new taken
         await gate.advance(version)
     assert await _admit_all(gate) == 2
     assert gate.admitted == 4

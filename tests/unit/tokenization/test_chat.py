@@ -26,8 +26,8 @@ CHATML = (
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ nl }}"
     "{%- endif %}"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}{%- if m.tool_calls %}"
-    "{%- for c in m.tool_calls %}{{ nl }}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments }}}\n</tool_call>{%- endfor %}{%- endif %}"
+    '{%- for c in m.tool_calls %}{{ nl }}<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments }}}\n</tool_call>{%- endfor %}{%- endif %}'
     "<|im_end|>{{ nl }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant{{ nl }}{%- endif %}"
 )
@@ -43,13 +43,16 @@ def hf_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
-    tok.train_from_iterator(["hello user assistant tool_response guess higher lower"] * 20,
-                            trainer)
+    tok.train_from_iterator(["hello user assistant tool_response guess higher lower"] * 20, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=specials,
     )
     fast.chat_template = CHATML
@@ -98,8 +101,10 @@ def test_byte_delta_extends_the_full_render():
 def test_byte_tool_calls_render_and_parse():
     tpl = ByteChatTemplate()
     call = {"function": {"name": "guess", "arguments": '{"n": 8}'}}
-    msgs = [{"role": "user", "content": "go"},
-            {"role": "assistant", "content": "ok", "tool_calls": [call]}]
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "ok", "tool_calls": [call]},
+    ]
     r = tpl.render(msgs, tools=[{"name": "guess"}], add_generation_prompt=False)
     assert r.spans[0].role == "system"  # tools open a system message
     span = r.spans[-1]

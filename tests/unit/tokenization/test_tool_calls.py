@@ -17,8 +17,8 @@ def test_own_format():
 
 def test_hermes_format_several_calls():
     text = (
-        "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
-        "<tool_call>\n{\"name\": \"b\", \"arguments\": \"{\\\"x\\\": 1}\"}\n</tool_call>"
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": "{\\"x\\": 1}"}\n</tool_call>'
     )
     parsed = parse_tool_calls(text, "hermes")
     assert [c.name for c in parsed.tool_calls] == ["a", "b"]
@@ -57,8 +57,11 @@ def test_unclosed_call_at_the_end_is_still_parsed():
 
 @pytest.mark.parametrize("style", ["agentflow", "hermes"])
 def test_render_then_parse(style):
-    openai_call = {"id": "c1", "type": "function",
-                   "function": {"name": "search", "arguments": json.dumps({"q": "ü"})}}
+    openai_call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "search", "arguments": json.dumps({"q": "ü"})},
+    }
     text = render_tool_call(openai_call, style)
     parsed = parse_tool_calls("pre " + text, style)
     assert parsed.tool_calls[0].name == "search"
