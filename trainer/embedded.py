@@ -60,13 +60,21 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         )
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
+    config = _warm_start(config, directory)
     if config.trainer.threads:
         import torch
 
+        # After the warm start, which has the machine to itself: during RL the engine and
+        # the trainer compute at the same time, each in its own thread.
         torch.set_num_threads(config.trainer.threads)
+    return config, directory
+
+
+def _warm_start(config: RunConfig, directory: Path) -> RunConfig:
+    """Run the warm start unless it already ran; the config then points at its model."""
     warm = config.warm_start
     if not warm.enabled:
-        return config, directory
+        return config
     sft_dir = directory / "sft"
     if not (sft_dir / "config.json").is_file():
         from trainer.sft import SftConfig, run_sft
@@ -85,7 +93,7 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         evaluation = metrics.get("eval", {})
         print(f"warm start done: {evaluation}", flush=True)
     model = config.model.model_copy(update={"path": str(sft_dir.resolve())})
-    return config.model_copy(update={"model": model}), directory
+    return config.model_copy(update={"model": model})
 
 
 def train_embedded(config: RunConfig) -> dict[str, Any]:
