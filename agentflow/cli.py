@@ -279,9 +279,17 @@ ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="ru
 
 
 @app.command()
-def train(config: ConfigArg) -> None:
+def train(
+    config: ConfigArg,
+    seed: Annotated[
+        int | None, typer.Option(min=0, help="override the config's seed (run NAME-seedN)")
+    ] = None,
+) -> None:
     """Train in one process (SQLite, local engine, envs, trainer); rerun to resume."""
     run_config = _run_config(config)  # parse before importing torch: bad input fails fast
+    if seed is not None:
+        name = f"{run_config.name}-seed{seed}"
+        run_config = run_config.model_copy(update={"seed": seed, "name": name})
     from transformers.utils import logging as hf_logging
 
     from trainer.embedded import train_embedded
