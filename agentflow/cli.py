@@ -310,21 +310,10 @@ def sft(
 ) -> None:
     """Warm start only: supervised training on the first env's scripted oracle."""
     run_config = _run_config(config)
-    from trainer.sft import SftConfig, run_sft
+    from trainer.embedded import run_directory, warm_start
 
-    warm = run_config.warm_start
-    target = out or Path(run_config.trainer.run_dir) / run_config.name / "sft"
-    metrics = run_sft(
-        SftConfig(
-            env_id=run_config.envs[0].id,
-            max_turns=run_config.agent.max_turns,
-            seed=run_config.seed,
-            **warm.model_dump(exclude={"enabled"}),
-        ),
-        run_config.model.path or run_config.model.init,
-        target,
-    )
-    _print({"model": str(target), **metrics})
+    target = out or run_directory(run_config) / "sft"
+    _print({"model": str(target), **warm_start(run_config, target)})
 
 
 @app.command("trainer")

@@ -60,7 +60,7 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         )
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
-    config = _warm_start(config, directory)
+    config = _with_warm_start(config, directory)
     if config.trainer.threads:
         import torch
 
@@ -70,30 +70,32 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     return config, directory
 
 
-def _warm_start(config: RunConfig, directory: Path) -> RunConfig:
+def _with_warm_start(config: RunConfig, directory: Path) -> RunConfig:
     """Run the warm start unless it already ran; the config then points at its model."""
     warm = config.warm_start
     if not warm.enabled:
         return config
     sft_dir = directory / "sft"
     if not (sft_dir / "config.json").is_file():
-        from trainer.sft import SftConfig, run_sft
-
         print(f"warm start: supervised training on {warm.n_episodes} oracle episodes", flush=True)
-        metrics = run_sft(
-            SftConfig(
-                env_id=config.envs[0].id,
-                max_turns=config.agent.max_turns,
-                seed=config.seed,
-                **warm.model_dump(exclude={"enabled"}),
-            ),
-            config.model.path or config.model.init,
-            sft_dir,
-        )
-        evaluation = metrics.get("eval", {})
-        print(f"warm start done: {evaluation}", flush=True)
+        metrics = warm_start(config, sft_dir)
+        print(f"warm start done: {metrics.get('eval', {})}", flush=True)
     model = config.model.model_copy(update={"path": str(sft_dir.resolve())})
     return config.model_copy(update={"model": model})
+
+
+def warm_start(config: RunConfig, out_dir: Path) -> dict[str, Any]:
+    """SFT on the first env's noisy oracle, as `[warm_start]` says; the model goes to
+    `out_dir`. Returns the warm start's metrics (with its evaluation)."""
+    from trainer.sft import SftConfig, run_sft
+
+    sft = SftConfig(
+        env_id=config.envs[0].id,
+        max_turns=config.agent.max_turns,
+        seed=config.seed,
+        **config.warm_start.model_dump(exclude={"enabled"}),
+    )
+    return run_sft(sft, config.model.path or config.model.init, out_dir)
 
 
 def train_embedded(config: RunConfig) -> dict[str, Any]:
