@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentflow.errors import EngineRequestError
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -105,6 +107,15 @@ class WeightUpdate(BaseModel):
         if (self.state_dict is None) == (self.path is None):
             raise ValueError("give exactly one of state_dict or path")
         return self
+
+
+def next_weight_version(current: int, update: WeightUpdate) -> int:
+    """The version `update` switches to: the one it names, or `current + 1`. Versions
+    only move forward, so every token's version says which weights made it."""
+    version = current + 1 if update.version is None else update.version
+    if version <= current:
+        raise EngineRequestError(f"weight version {version} is not newer than {current}")
+    return version
 
 
 class EngineInfo(BaseModel):

@@ -59,6 +59,7 @@ from agentflow.inference.base import (
     PauseMode,
     VersionSpan,
     WeightUpdate,
+    next_weight_version,
 )
 
 # Lowercase letters and spaces: valid byte-tokenizer ids that never spell a chat marker.
@@ -388,11 +389,7 @@ class LatencyModelEngine:
     async def update_weights(self, update: WeightUpdate) -> int:
         await self.start()
         assert self._lock is not None
-        version = self.weight_version + 1 if update.version is None else update.version
-        if version <= self.weight_version:
-            raise EngineRequestError(
-                f"weight version {version} is not newer than {self.weight_version}"
-            )
+        version = next_weight_version(self.weight_version, update)
         self._interrupt_burst()
         async with self._lock:  # no decode step runs while the weights change
             if self.config.update_s:

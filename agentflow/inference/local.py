@@ -42,6 +42,7 @@ from agentflow.inference.base import (
     PauseMode,
     VersionSpan,
     WeightUpdate,
+    next_weight_version,
 )
 from agentflow.inference.scheduling import BatchScheduler, LiveRequest
 
@@ -292,11 +293,7 @@ class LocalEngine:
     async def update_weights(self, update: WeightUpdate) -> int:
         await self.start()
         assert self._lock is not None
-        version = self.weight_version + 1 if update.version is None else update.version
-        if version <= self.weight_version:
-            raise EngineRequestError(
-                f"weight version {version} is not newer than {self.weight_version}"
-            )
+        version = next_weight_version(self.weight_version, update)
         self._runner.interrupt.set()
         async with self._lock:
             loop = asyncio.get_running_loop()

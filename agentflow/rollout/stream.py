@@ -23,6 +23,7 @@ The database is the source of truth, so nothing is lost when either side dies:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -121,10 +122,8 @@ class DbTrajectoryStream:
             if leased or remaining <= 0:
                 return leased
             # Another process (the gateway, in the split form) may add trajectories too.
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
-            except TimeoutError:
-                pass
 
     async def _lease(self, max_n: int) -> list[Trajectory]:
         now = datetime.now(UTC)
