@@ -50,6 +50,7 @@ class SandboxLimits(BaseModel):
         default=64 * 1024 * 1024, ge=1024, le=16 * 1024**3, description="Largest file written."
     )
 
+
 class ExecResult(BaseModel):
     """What one exec produced."""
 

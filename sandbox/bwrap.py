@@ -75,9 +75,23 @@ from sandbox.workdir import list_files, read_beneath, write_beneath
 NOBODY = 65534
 # Read-only /etc files a typical command needs; anything else stays invisible.
 ETC_FILES = (
-    "passwd", "group", "nsswitch.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-    "alternatives", "localtime", "mime.types", "os-release", "debian_version",
-    "python3", "python3.11", "python3.12", "python3.13", "protocols", "services",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "mime.types",
+    "os-release",
+    "debian_version",
+    "python3",
+    "python3.11",
+    "python3.12",
+    "python3.13",
+    "protocols",
+    "services",
 )
 NETWORK_ETC_FILES = ("resolv.conf", "hosts", "host.conf", "gai.conf", "ssl", "ca-certificates")
 ROOT_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -181,8 +195,11 @@ class BwrapSandbox:
             )
             # bwrap failing to fork its namespace init is a transient host condition
             # (EAGAIN) hit before the command ran, so running it again is safe.
-            if not (run.returncode == 1 and run.stderr.startswith(b"bwrap: Can't fork")
-                    and attempt < SETUP_RETRIES):
+            if not (
+                run.returncode == 1
+                and run.stderr.startswith(b"bwrap: Can't fork")
+                and attempt < SETUP_RETRIES
+            ):
                 break
             await asyncio.sleep(0.05 * (attempt + 1))
         return self._result(run, oom_hit=self._oom_kills() > oom_before)
@@ -225,10 +242,23 @@ class BwrapSandbox:
 
     def _bwrap_argv(self, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
         args = [
-            self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
-            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr",
+            self._bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--uid",
+            str(NOBODY),
+            "--gid",
+            str(NOBODY),
+            "--hostname",
+            "sandbox",
+            "--ro-bind",
+            "/usr",
+            "/usr",
         ]
         if self.network:
             args.append("--share-net")
@@ -289,8 +319,12 @@ class BwrapSandbox:
         self._check_open()
         raw = data.encode() if isinstance(data, str) else bytes(data)
         await asyncio.to_thread(
-            write_beneath, self.workdir, path, raw,
-            max_bytes=self.limits.max_file_bytes, owner=self._owner,
+            write_beneath,
+            self.workdir,
+            path,
+            raw,
+            max_bytes=self.limits.max_file_bytes,
+            owner=self._owner,
         )
 
     async def read_file(self, path: str) -> bytes:

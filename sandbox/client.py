@@ -47,8 +47,9 @@ class HttpSandbox:
         self._retries = retries
         self._files: dict[str, bytes] = {}
         self._closed = False
-        self._http = httpx.AsyncClient(base_url=base_url, transport=transport,
-                                       timeout=network_timeout_s)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, transport=transport, timeout=network_timeout_s
+        )
 
     async def exec(
         self,
@@ -78,7 +79,8 @@ class HttpSandbox:
         if not data.get("files_truncated"):
             self._files = {p: base64.b64decode(b) for p, b in (data.get("files") or {}).items()}
         return ExecResult.model_validate(
-            {k: v for k, v in data.items() if k in ExecResult.model_fields})
+            {k: v for k, v in data.items() if k in ExecResult.model_fields}
+        )
 
     async def _post(self, body: dict[str, Any], read_timeout_s: float) -> dict[str, Any]:
         timeout = httpx.Timeout(self._http.timeout.connect, read=read_timeout_s)

@@ -188,8 +188,14 @@ class DockerSandbox:
             stdin_path = f"{_STDIN_DIR}/stdin-{uuid.uuid4().hex}"
             await self.write_file(stdin_path, data)
             # Redirect inside the container; the file is removed once the command ends.
-            inner = ["sh", "-c", 'f="$1"; shift; "$@" < "$f"; rc=$?; rm -f "$f"; exit $rc',
-                     "sh", f"{WORKDIR}/{stdin_path}", *inner]
+            inner = [
+                "sh",
+                "-c",
+                'f="$1"; shift; "$@" < "$f"; rc=$?; rm -f "$f"; exit $rc',
+                "sh",
+                f"{WORKDIR}/{stdin_path}",
+                *inner,
+            ]
         start = time.monotonic()
         try:
             run = await asyncio.wait_for(
@@ -198,9 +204,13 @@ class DockerSandbox:
             )
         except TimeoutError:
             await asyncio.to_thread(self._kill_all)
-            return ExecResult(stdout="", stderr="[sandbox] engine missed the deadline; killed",
-                              exit_code=None, status=ExecStatus.TIME_LIMIT,
-                              duration_s=time.monotonic() - start)
+            return ExecResult(
+                stdout="",
+                stderr="[sandbox] engine missed the deadline; killed",
+                exit_code=None,
+                status=ExecStatus.TIME_LIMIT,
+                duration_s=time.monotonic() - start,
+            )
         out, err, code, overflow = run
         duration = time.monotonic() - start
         if overflow:
@@ -221,14 +231,22 @@ class DockerSandbox:
             status = ExecStatus.ERROR
         else:
             status = ExecStatus.FINISHED
-        return ExecResult(stdout=decode(out), stderr=decode(err), exit_code=code, status=status,
-                          duration_s=duration, output_truncated=overflow)
+        return ExecResult(
+            stdout=decode(out),
+            stderr=decode(err),
+            exit_code=code,
+            status=status,
+            duration_s=duration,
+            output_truncated=overflow,
+        )
 
-    def _run_exec(self, argv: list[str], environment: dict[str, str], workdir: str
-                  ) -> tuple[bytes, bytes, int | None, bool]:
+    def _run_exec(
+        self, argv: list[str], environment: dict[str, str], workdir: str
+    ) -> tuple[bytes, bytes, int | None, bool]:
         api = self._client.api
-        exec_id = api.exec_create(self.container.id, argv, user=USER, environment=environment,
-                                  workdir=workdir)["Id"]
+        exec_id = api.exec_create(
+            self.container.id, argv, user=USER, environment=environment, workdir=workdir
+        )["Id"]
         cap = self.limits.max_output_bytes
         out, err, overflow = bytearray(), bytearray(), False
         stream = api.exec_start(exec_id, stream=True, demux=True)
@@ -275,8 +293,7 @@ class DockerSandbox:
         self._check_open()
         rel = relative_path(path)
         try:
-            chunks, _stat = await asyncio.to_thread(self.container.get_archive,
-                                                    f"{WORKDIR}/{rel}")
+            chunks, _stat = await asyncio.to_thread(self.container.get_archive, f"{WORKDIR}/{rel}")
         except Exception as exc:  # docker.errors.NotFound and friends
             raise SandboxFileError(f"cannot read {path!r}: {exc}") from exc
         return await asyncio.to_thread(_untar_one, chunks, self.limits.max_file_bytes)
@@ -331,4 +348,3 @@ def _client_from_env() -> Any:
     except Exception as exc:
         raise SandboxUnavailable(f"no Docker engine reachable: {exc}") from exc
     return client
-

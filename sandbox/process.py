@@ -145,4 +145,3 @@ async def run_captured(
         output_overflow=out.truncated or err.truncated,
         duration_s=time.monotonic() - start,
     )
-

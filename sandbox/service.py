@@ -47,8 +47,10 @@ def _check_path(path: str) -> None:
 class ExecRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    cmd: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | Annotated[
-        str, Field(min_length=1)]
+    cmd: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[str, Field(min_length=1)]
+    )
     stdin: str | None = None
     files: dict[str, str] = Field(default_factory=dict, description="path -> UTF-8 text")
     files_b64: dict[str, Base64Bytes] = Field(default_factory=dict, description="path -> bytes")
@@ -92,8 +94,7 @@ class ExecResponse(ExecResult):
 
 
 def _within(limits: SandboxLimits, ceiling: SandboxLimits) -> list[str]:
-    return [name for name, value in limits.model_dump().items()
-            if value > getattr(ceiling, name)]
+    return [name for name, value in limits.model_dump().items() if value > getattr(ceiling, name)]
 
 
 async def _collect_files(sandbox: Sandbox) -> tuple[dict[str, str], bool]:
@@ -123,8 +124,9 @@ def create_app(
     """The service app; ``factory(limits)`` opens a sandbox (default: ``open_sandbox``)."""
     make: SandboxFactory = factory or (lambda limits: open_sandbox(backend, limits=limits))
     defaults = default_limits or SandboxLimits()
-    ceiling = max_limits or SandboxLimits(wall_time_s=60, cpu_time_s=60, memory_mb=2048,
-                                          max_processes=256)
+    ceiling = max_limits or SandboxLimits(
+        wall_time_s=60, cpu_time_s=60, memory_mb=2048, max_processes=256
+    )
     if _within(defaults, ceiling):
         raise ValueError("default_limits exceed max_limits")
     pool = SandboxPool(lambda: make(defaults), size=pool_size, max_active=max_active)
@@ -173,8 +175,9 @@ async def _run(sandbox: Sandbox, req: ExecRequest) -> ExecResponse:
         await sandbox.write_file(path, text)
     for path, data in req.files_b64.items():
         await sandbox.write_file(path, data)
-    result = await sandbox.exec(req.cmd, stdin=req.stdin, cwd=req.cwd, env=req.env,
-                                timeout_s=req.timeout_s)
+    result = await sandbox.exec(
+        req.cmd, stdin=req.stdin, cwd=req.cwd, env=req.env, timeout_s=req.timeout_s
+    )
     files, truncated = await _collect_files(sandbox) if req.return_files else (None, False)
     return ExecResponse(**result.model_dump(), files=files, files_truncated=truncated)
 

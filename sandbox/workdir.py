@@ -33,8 +33,9 @@ def relative_path(path: str) -> PurePosixPath:
 
 
 @contextlib.contextmanager
-def _open_dir(root: str, parts: tuple[str, ...], create: bool, owner: tuple[int, int] | None
-              ) -> Iterator[int]:
+def _open_dir(
+    root: str, parts: tuple[str, ...], create: bool, owner: tuple[int, int] | None
+) -> Iterator[int]:
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in parts:
@@ -54,16 +55,21 @@ def _open_dir(root: str, parts: tuple[str, ...], create: bool, owner: tuple[int,
         os.close(fd)
 
 
-def write_beneath(root: str, path: str, data: bytes, *, max_bytes: int,
-                  owner: tuple[int, int] | None = None) -> None:
+def write_beneath(
+    root: str, path: str, data: bytes, *, max_bytes: int, owner: tuple[int, int] | None = None
+) -> None:
     """Write ``data`` to ``root/path`` without following any symlink; parents are created."""
     rel = relative_path(path)
     if len(data) > max_bytes:
         raise SandboxFileError(f"{path!r}: {len(data)} bytes is over the {max_bytes} limit")
     with _open_dir(root, rel.parts[:-1], create=True, owner=owner) as dir_fd:
         try:
-            fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK, 0o644, dir_fd=dir_fd)
+            fd = os.open(
+                rel.name,
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                0o644,
+                dir_fd=dir_fd,
+            )
         except OSError as exc:  # ELOOP for a symlink, EISDIR, ENXIO for a FIFO
             raise SandboxFileError(f"cannot write {path!r}: {exc.strerror}") from exc
         try:
@@ -73,7 +79,7 @@ def write_beneath(root: str, path: str, data: bytes, *, max_bytes: int,
                 os.fchown(fd, *owner)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
 

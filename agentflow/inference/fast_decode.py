@@ -36,15 +36,42 @@ def supports(model: Any) -> bool:
     return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """HF's `weight * (x * rsqrt(mean(x^2) + eps))` in float32; the mean of squares comes
-    from `vector_norm`, whose reduction kernel is several times cheaper than `mean` on
-    rows this short."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    xf = x.float()
-    r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-    r = r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-    return norm.weight * (xf * r).to(x.dtype)
+def _rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """HF's `weight * (x * rsqrt(mean(x^2) + eps))` in float32, as one fused op."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(x.dtype)
+
+
+def _eps(norm: Any) -> float:
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    return float(eps) if eps is not None else 1e-6
+
+
+class _Linear:
+    """`x @ W.T (+ b)` with the weight kept in the layout the device multiplies fastest.
+
+    On CPU, oneDNN/MKL multiply a skinny activation by a row-major `[in, out]` matrix
+    1.3-1.9x faster than by the transposed view `F.linear` passes (measured on the decode
+    shapes, batch 32), so the step keeps its own transposed copy there. GPUs are
+    indifferent to the transpose, and there a copy would double the weights' memory.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = bias
+        self.w_t = weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.w_t)
+        return torch.addmm(self.bias, x, self.w_t)
+
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`h + self(x)`: the residual add inside the multiply when there is no bias."""
+        if self.bias is None:
+            return torch.addmm(h, x, self.w_t)
+        return torch.addmm(h + self.bias, x, self.w_t)
 
 
 class _Layer:
@@ -52,27 +79,22 @@ class _Layer:
 
     def __init__(self, layer: Any) -> None:
         a, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
+        self.input_norm = layer.input_layernorm.weight
+        self.input_eps = _eps(layer.input_layernorm)
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.post_eps = _eps(layer.post_attention_layernorm)
         self.scaling = float(a.scaling)
-        self.qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        self.qkv_b = None
+        qkv_b = None
         if a.q_proj.bias is not None:
-            self.qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        self.o_proj = a.o_proj
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up_b = None
+            qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        self.qkv = _Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b)
+        self.o_proj = _Linear(a.o_proj.weight, a.o_proj.bias)
+        gate_up_b = None
         if getattr(mlp.gate_proj, "bias", None) is not None:
-            self.gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            gate_up_b = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_b)
         self.act_fn = mlp.act_fn
-        self.down_proj = mlp.down_proj
-
-
-def _add_linear(h: torch.Tensor, x: torch.Tensor, proj: Any) -> torch.Tensor:
-    """`h + proj(x)` in one addmm when `proj` has no bias."""
-    if proj.bias is None:
-        return torch.addmm(h, x, proj.weight.t())
-    return h + proj(x)
+        self.down_proj = _Linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None))
 
 
 class LlamaDecodeStep:
@@ -94,6 +116,10 @@ class LlamaDecodeStep:
         """Rebuild the fused weights (and rotary table) from the model's current ones."""
         with torch.no_grad():
             self._layers = [_Layer(layer) for layer in self.model.model.layers]
+            norm = self.model.model.norm
+            self._final_norm, self._final_eps = norm.weight, _eps(norm)
+            head = self.model.lm_head
+            self._lm_head = _Linear(head.weight, getattr(head, "bias", None))
         self._cos = self._sin = None
 
     def _rotary(self, h: torch.Tensor, pos: torch.Tensor, kv_len: int) -> tuple[Any, Any]:
@@ -137,7 +163,7 @@ class LlamaDecodeStep:
         mask3 = mask3.reshape(n * kv_heads, 1, kv_len)
         q_end = heads * dim
         for i, layer in enumerate(self._layers):
-            qkv = F.linear(_rms_norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(_rms_norm(layer.input_norm, layer.input_eps, h))
             # Rotary on q and k together: x * cos + rotate_half(x) * sin.
             qk = qkv[:, : qk_heads * dim].view(n, qk_heads, dim)
             swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
@@ -157,12 +183,12 @@ class LlamaDecodeStep:
             scores = torch.baddbmm(mask3, q3, keys.transpose(1, 2), alpha=layer.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             out = torch.bmm(probs, values).view(n, heads * dim).to(h.dtype)
-            h = _add_linear(h, out, layer.o_proj)
-            x = _rms_norm(layer.post_norm, h)
-            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            h = _add_linear(h, layer.act_fn(gate) * up, layer.down_proj)
-        h = _rms_norm(inner.norm, h)
-        return self.model.lm_head(h).float()
+            h = layer.o_proj.add_to(h, out)
+            x = _rms_norm(layer.post_norm, layer.post_eps, h)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = layer.down_proj.add_to(h, layer.act_fn(gate) * up)
+        h = _rms_norm(self._final_norm, self._final_eps, h)
+        return self._lm_head(h).float()
 
 
 def _sign_sin(sin: torch.Tensor) -> torch.Tensor:

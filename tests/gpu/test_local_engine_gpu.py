@@ -1,9 +1,14 @@
 """LocalEngine on CUDA: consistency with teacher forcing, continuous batching, sessions,
-and a weight switch mid-generation. Skipped where no CUDA device exists."""
+and a weight switch mid-generation. Skipped where no CUDA device exists.
+
+`AGENTFLOW_GPU_TEST_DEVICE=cpu pytest -m gpu tests/gpu` runs the same checks on the CPU,
+which is how the script itself is checked on a machine without a GPU.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -20,9 +25,13 @@ from agentflow.inference.base import (  # noqa: E402
 from agentflow.inference.local import LocalEngine  # noqa: E402
 from agentflow.modeling import ModelInit, build_model, score  # noqa: E402
 
+DEVICE = os.environ.get("AGENTFLOW_GPU_TEST_DEVICE", "cuda")
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
+    ),
 ]
 
 INIT = ModelInit(layers=4, hidden=256, heads=8, kv_heads=4, max_context=1024)
@@ -33,7 +42,7 @@ TOL = 1e-4
 async def engine():
     # fp32 matmuls without TF32, so the 1e-4 bound holds as on CPU.
     torch.backends.cuda.matmul.allow_tf32 = False
-    eng = LocalEngine.from_init(INIT, seed=0, device="cuda", max_batch_size=64)
+    eng = LocalEngine.from_init(INIT, seed=0, device=DEVICE, max_batch_size=64)
     yield eng
     await eng.close()
 
@@ -49,7 +58,7 @@ def diff(model, context, res, temp):
 
 
 async def test_consistency_and_batching_on_cuda(engine):
-    assert str(engine._runner.device).startswith("cuda")
+    assert str(engine._runner.device).startswith(DEVICE)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 200))] for _ in range(64)]
     lengths = [rng.randrange(1, 64) for _ in range(64)]
@@ -94,7 +103,7 @@ async def test_retract_update_resume_on_cuda(engine):
     await engine.pause(PauseMode.RETRACT)
     await engine.update_weights(WeightUpdate(state_dict=new_model.state_dict()))
     await engine.resume()
-    new_model = new_model.to("cuda")
+    new_model = new_model.to(DEVICE)
     for i, res in enumerate(await asyncio.gather(*tasks)):
         assert [s.version for s in res.weight_versions] == [0, 1]
         switch = res.weight_versions[1].start

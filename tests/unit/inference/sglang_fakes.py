@@ -123,6 +123,10 @@ class FakeEngine:
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
         self.mode = mode
         self.resumed.clear()
+        if mode is PauseMode.ABORT:
+            # Abort at the pause itself, as an engine does: a request mid-step must not
+            # miss it when update and resume follow before its step ends.
+            self.aborted |= self.running
 
     async def resume(self) -> None:
         self.mode = None

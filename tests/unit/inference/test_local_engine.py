@@ -98,6 +98,51 @@ async def test_generic_hf_path_is_consistent_too():
         await eng.close()
 
 
+def _biased_model(kind: str):
+    """A tiny random model whose projections carry biases (the fast step's other branch)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(
+        vocab_size=266,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=192,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        if kind == "qwen2":  # q/k/v biases, as in every Qwen2 checkpoint
+            model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, mlp_bias=True))
+        with torch.no_grad():  # random init leaves biases at zero; make them count
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
+async def test_fast_step_with_biases_is_consistent(kind):
+    from agentflow.inference import fast_decode
+
+    model = _biased_model(kind)
+    assert fast_decode.supports(model)
+    eng = LocalEngine(model, max_batch_size=8)
+    try:
+        assert eng._runner._fast is not None
+        rng = random.Random(4)
+        prompts = [prompt(rng, rng.randrange(1, 30)) for _ in range(5)]
+        results = await asyncio.gather(*[eng.generate(req(p, n=9, temp=0.8)) for p in prompts])
+        for p, res in zip(prompts, results, strict=True):
+            assert max_diff(eng, p, res, 0.8) <= TOL
+    finally:
+        await eng.close()
+
+
 async def test_seed_reproduces_sampling(engine):
     a = await engine.generate(req([5, 6, 7], seed=123, n=12))
     b = await engine.generate(req([5, 6, 7], seed=123, n=12))
