@@ -85,17 +85,22 @@ async def test_logprobs_match_teacher_forcing_in_any_batch(engine):
         assert max_diff(engine, p, res, temps[i % 4]) <= TOL
 
 
+async def assert_batch_consistent(eng: LocalEngine, seed: int, temp: float) -> None:
+    """A batch of mixed-length prompts scores as teacher forcing; closes `eng`."""
+    try:
+        rng = random.Random(seed)
+        prompts = [prompt(rng, rng.randrange(1, 30)) for _ in range(6)]
+        results = await asyncio.gather(*[eng.generate(req(p, n=7, temp=temp)) for p in prompts])
+        for p, res in zip(prompts, results, strict=True):
+            assert max_diff(eng, p, res, temp) <= TOL
+    finally:
+        await eng.close()
+
+
 async def test_generic_hf_path_is_consistent_too():
     # No Llama fast path, no bursts: the model's own forward over the slot cache.
     eng = LocalEngine.from_init(TINY, seed=2, fast_decode=False, decode_burst=1)
-    try:
-        rng = random.Random(2)
-        prompts = [prompt(rng, rng.randrange(1, 30)) for _ in range(6)]
-        results = await asyncio.gather(*[eng.generate(req(p, n=7, temp=0.9)) for p in prompts])
-        for p, res in zip(prompts, results, strict=True):
-            assert max_diff(eng, p, res, 0.9) <= TOL
-    finally:
-        await eng.close()
+    await assert_batch_consistent(eng, seed=2, temp=0.9)
 
 
 def _biased_model(kind: str):
@@ -132,15 +137,8 @@ async def test_fast_step_with_biases_is_consistent(kind):
     model = _biased_model(kind)
     assert fast_decode.supports(model)
     eng = LocalEngine(model, max_batch_size=8)
-    try:
-        assert eng._runner._fast is not None
-        rng = random.Random(4)
-        prompts = [prompt(rng, rng.randrange(1, 30)) for _ in range(5)]
-        results = await asyncio.gather(*[eng.generate(req(p, n=9, temp=0.8)) for p in prompts])
-        for p, res in zip(prompts, results, strict=True):
-            assert max_diff(eng, p, res, 0.8) <= TOL
-    finally:
-        await eng.close()
+    assert eng._runner._fast is not None
+    await assert_batch_consistent(eng, seed=4, temp=0.8)
 
 
 async def test_seed_reproduces_sampling(engine):
