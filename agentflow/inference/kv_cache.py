@@ -14,6 +14,10 @@ as is.
 
 The last column of the buffer is scratch: left-padding positions of a batched prefill
 write there, so they never overwrite a real token's K/V.
+
+The buffer holds every slot (`max_batch_size`) and grows in chunks of positions to the
+longest context seen; it is not shrunk, so a step never pays for reallocating it. Its
+size is `2 * layers * slots * kv_heads * capacity * head_dim` elements.
 """
 
 from __future__ import annotations
@@ -66,10 +70,6 @@ class SlotKV:
             new_k[i][:, :, :keep] = self.k[i][:, :, :keep]
             new_v[i][:, :, :keep] = self.v[i][:, :, :keep]
         self.k, self.v, self.capacity = new_k, new_v, cap
-
-    def release(self) -> None:
-        """Free the buffer (when no request runs), so memory follows the load."""
-        self.k, self.v, self.capacity = [], [], 0
 
     def move(self, src: int, dst: int, length: int) -> None:
         for k, v in zip(self.k, self.v, strict=True):
