@@ -75,8 +75,13 @@ class WhiteBoxAgent:
         try:
             outcome = await self._loop(episode, session, writes)
         finally:
-            await session.close()
-            await writes.settle()  # every turn is committed before the outcome counts
+            try:
+                await session.close()
+            finally:
+                # Every turn is committed before the outcome counts, even when a stop
+                # cancels this task while it ends: the run records the outcome as soon as
+                # the task is over, and a turn landing after that would be refused.
+                await writes.settle()
         return outcome
 
     async def _loop(
@@ -241,17 +246,27 @@ class _Writes:
         self.pending: list[asyncio.Future[None]] = []
 
     async def submit(self, parent: uuid.UUID | None, record: TurnRecord) -> uuid.UUID:
+        if len(self.pending) >= self.window:
+            # Shielded: a cancel must not cancel the write itself, which `settle` awaits.
+            await asyncio.shield(self.pending[0])
         while self.pending and self.pending[0].done():  # writes commit in order
             self.pending.pop(0).result()  # a failed write raises here, in the loop
-        if len(self.pending) >= self.window:
-            await self.pending.pop(0)
         turn_id, committed = self.episode.turns.submit_turn(self.episode.episode_id, parent, record)
         self.pending.append(committed)
         return turn_id
 
     async def settle(self) -> None:
+        """Wait until every queued write is committed (or failed); a cancel that arrives
+        meanwhile is raised once they are, never instead."""
         pending, self.pending = self.pending, []
-        results = await asyncio.gather(*pending, return_exceptions=True)
+        if not pending:
+            return
+        done = asyncio.gather(*pending, return_exceptions=True)
+        try:
+            results = await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await done
+            raise
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -157,3 +157,77 @@ async def test_sessions_waiting_on_their_env_hold_no_decode_slot(
     finally:
         GatedEnv.gate.set()
         await engine.close()
+
+
+class _StallingClose:
+    """An engine whose `close_session` waits (as on a lock held by a long step) until
+    released, so a stop can land while an ending episode closes its session."""
+
+    def __init__(self, inner: LocalEngine) -> None:
+        self.inner = inner
+        self.closing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def close_session(self, session_id: str) -> None:
+        self.closing.set()
+        await self.release.wait()
+        await self.inner.close_session(session_id)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("stop_at", ["closing", "settling"])
+async def test_a_stop_while_an_episode_ends_still_commits_its_turns(
+    stop_at: str, local_engine: LocalEngine, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The run records an episode's outcome once its agent task is over: every turn the
+    agent queued must be committed by then, or it would land in (and be refused by) a
+    finished episode."""
+    engine = _StallingClose(local_engine)
+    runtime = PolicyRuntime(
+        engine=engine,  # type: ignore[arg-type]
+        template=ByteChatTemplate(),
+        sampling=SamplingParams(max_new_tokens=8),
+        max_context=TINY.max_context,
+    )
+    turns = TurnTree(sessions)
+    queued: list[asyncio.Future[None]] = []
+    submit = turns.submit_turn
+
+    def recording_submit(*args: object) -> tuple[object, asyncio.Future[None]]:
+        turn_id, committed = submit(*args)  # type: ignore[arg-type]
+        queued.append(committed)
+        return turn_id, committed
+
+    turns.submit_turn = recording_submit  # type: ignore[method-assign]
+    episode_id = await turns.create_episode(env_ref="test/Slow-v0")
+    handle = EpisodeHandle(
+        episode_id=episode_id,
+        run_id=None,
+        env=SlowEnv(delay=0, steps=2),
+        runtime=runtime,
+        turns=turns,
+        budget=Budget(max_turns=3, max_tokens=1000),
+    )
+    agent = asyncio.create_task(WhiteBoxAgent(park_after_s=None).run(handle))
+    await engine.closing.wait()
+    if stop_at == "settling":
+        engine.release.set()
+        while not queued or all(f.done() for f in queued):
+            await asyncio.sleep(0)  # the agent now waits on its last writes
+    agent.cancel()
+    engine.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await agent
+    assert queued and all(f.done() and not f.cancelled() for f in queued)
+    assert all(f.exception() is None for f in queued)
+    # The outcome is recorded now, as the run does; no turn may be left to write after it.
+    await turns.complete_episode(episode_id, "aborted", error="run stopped")
+    tree = await turns.episode_tree(episode_id)
+    count, stack = 0, list(tree.roots)
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(node.children)
+    assert count == len(queued)
