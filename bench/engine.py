@@ -10,6 +10,9 @@ ratios (machine speed varies between runs; ratios measured side by side do not):
    observation. With KV reuse a turn names its parent rid and computes only the new
    tokens; the stateless equivalent sends the whole context each turn. Each turn samples
    one token so the time is the prefill. Target: <= 30% of the stateless cost.
+3. prefill path: the engine's own lean layers vs the model's HF forward (the generic
+   path), on the same engine settings: a batch of prompts sampling one token each, and
+   the 10-turn session with KV reuse.
 
     python bench/engine.py [--threads N] [--layers 4 --hidden 128] [--batch 32]
 """
@@ -142,6 +145,29 @@ async def main() -> None:
         f"  ratio reuse/stateless : tokens {reuse_tok / stateless_tok:.1%}, "
         f"time {reuse_s / stateless_s:.1%}   (target <= 30%)"
     )
+
+    generic = LocalEngine(
+        build_model(init, seed=0), max_batch_size=128, max_context=2048, fast_prefill=False
+    )
+    await engine_generate(generic, prompts[:2], 1)
+    await session_turns(generic, turns[:2], reuse=True)
+    batch_s: dict[str, list[float]] = {"fast": [], "hf": []}
+    session_s: dict[str, list[float]] = {"fast": [], "hf": []}
+    for _ in range(args.repeats):
+        for name, eng in (("hf", generic), ("fast", engine)):
+            batch_s[name].append(await engine_generate(eng, prompts, 1))
+            session_s[name].append((await session_turns(eng, turns, reuse=True))[0])
+    print("prefill: lean layers vs the HF forward")
+    for label, times in (
+        (f"batch {args.batch} x {args.prompt} tokens", batch_s),
+        ("10-turn session, KV reuse", session_s),
+    ):
+        hf, fast = min(times["hf"]), min(times["fast"])
+        print(
+            f"  {label:26s}: HF {hf * 1000:7.1f} ms, lean {fast * 1000:7.1f} ms, "
+            f"ratio {hf / fast:.2f}x"
+        )
+    await generic.close()
     await engine.close()
 
 

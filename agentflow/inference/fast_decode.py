@@ -1,12 +1,13 @@
-"""A lean decode step for Llama-family models (Llama, Mistral, Qwen2) over the slot KV.
+"""Lean decode and prefill for Llama-family models (Llama, Mistral, Qwen2) over the slot KV.
 
 Decoding small models on CPU is dominated by per-call overhead, not arithmetic: the HF
 forward spends more time in kwargs plumbing, decorators and dispatch than in its tiny
-matmuls. This step calls the very same weights (norms, projections, MLP, rotary,
-`lm_head`) in the same order with the same formulas, and only drops the plumbing and
-fuses neighbouring ops (q/k rotary in one pass, scale + mask inside the score matmul,
-residual adds inside the projections), so it matches the HF forward to float rounding.
-Other architectures use the generic HF path.
+matmuls. These paths call the very same weights (norms, projections, MLP, rotary,
+`lm_head`) in the same order with the same formulas, and only drop the plumbing and
+fuse neighbouring ops (q/k rotary in one pass, scale + mask inside the score matmul,
+residual adds inside the projections), so they match the HF forward to float rounding.
+A prefill also stops computing what no logit needs: after the last layer's K/V are
+written, only each row's last token goes on. Other architectures use the HF forward.
 """
 
 from __future__ import annotations
@@ -189,6 +190,65 @@ class LlamaDecodeStep:
             h = layer.down_proj.add_to(h, layer.act_fn(gate) * up)
         h = _rms_norm(self._final_norm, self._final_eps, h)
         return self._lm_head(h).float()
+
+    def prefill(
+        self,
+        kv: SlotKV,
+        first_row: int,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        mask: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """Logits `[k, vocab]` at the last column of `ids` `[k, width]` (left-padded) for
+        rows `[first_row, first_row + k)`, whose K/V go to `write_pos` `[k, width]`;
+        `pos` holds each token's position (padding: any valid one), `mask` is the additive
+        `[k, 1, width, kv_len]` mask. Attention is SDPA, as in the HF forward."""
+        inner = self.model.model
+        k, width = ids.shape
+        m = k * width
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qk_heads = heads + kv_heads
+        h = inner.embed_tokens(ids.reshape(m))  # [m, hidden]: tokens of all rows in a row
+        cos, sin = self._rotary(h, pos.reshape(m, 1), kv_len)
+        half = dim // 2
+        cap = kv.k[0].shape[2]
+        rows = torch.arange(first_row, first_row + k, device=ids.device).view(k, 1, 1)
+        heads_idx = torch.arange(kv_heads, device=ids.device).view(1, 1, kv_heads)
+        # Token (r, t), KV head j -> the flat slot-buffer row; padding all lands on scratch.
+        write_idx = ((rows * kv_heads + heads_idx) * cap + write_pos.unsqueeze(2)).reshape(-1)
+        q_end = heads * dim
+        last_layer = len(self._layers) - 1
+        for i, layer in enumerate(self._layers):
+            qkv = layer.qkv(_rms_norm(layer.input_norm, layer.input_eps, h))
+            qk = qkv[:, : qk_heads * dim].view(m, qk_heads, dim)
+            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            qk = torch.addcmul(qk * cos, swapped, sin)
+            keys, values = kv.k[i], kv.v[i]
+            new_k = qk[:, heads:].reshape(m * kv_heads, dim).to(keys.dtype)
+            new_v = qkv[:, q_end + kv_heads * dim :].reshape(m * kv_heads, dim).to(values.dtype)
+            keys.view(-1, dim).index_copy_(0, write_idx, new_k)
+            values.view(-1, dim).index_copy_(0, write_idx, new_v)
+            q = qk[:, :heads].view(k, width, heads, dim)
+            if i == last_layer:
+                # Every token's K/V is written; past this point only the last token of
+                # each row feeds the logits, so the rest of the layer runs on k rows.
+                q, mask, h = q[:, -1:], mask[:, :, -1:], h.view(k, width, -1)[:, -1]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(keys.dtype),
+                keys[first_row : first_row + k, :, :kv_len],
+                values[first_row : first_row + k, :, :kv_len],
+                attn_mask=mask,
+                scale=layer.scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            out = out.transpose(1, 2).reshape(h.shape[0], heads * dim).to(h.dtype)
+            h = layer.o_proj.add_to(h, out)
+            x = _rms_norm(layer.post_norm, layer.post_eps, h)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = layer.down_proj.add_to(h, layer.act_fn(gate) * up)
+        return self._lm_head(_rms_norm(self._final_norm, self._final_eps, h)).float()
 
 
 def _sign_sin(sin: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ prefix when it was evicted. The reported `cached_tokens` counts the loaded prefi
 A step decodes one token for every running request; while no request waits and none has
 finished, the worker keeps decoding up to `decode_burst` steps before handing back (any
 call that needs the lock interrupts the burst), which halves the per-token overhead on
-small models. Llama-family models decode through `fast_decode`, others through their
-own HF forward; both write into the same slot KV and match a teacher-forced forward.
+small models. Llama-family models decode and prefill through `fast_decode`, others
+through their own HF forward; both write into the same slot KV and match a
+teacher-forced forward.
 
 Weight versions: every output token is tagged with the version current when it was
 sampled. `pause(retract)` drops running requests' KV so that, after an update, their
@@ -72,6 +73,7 @@ class LocalEngine:
         seed: int = 0,
         decode_burst: int = 8,
         fast_decode: bool = True,
+        fast_prefill: bool = True,
     ) -> None:
         from agentflow.inference.model_runner import ModelRunner
 
@@ -95,6 +97,7 @@ class LocalEngine:
             kv_budget_tokens=kv_budget_tokens,
             seed=seed,
             fast_decode=fast_decode,
+            fast_prefill=fast_prefill,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
         self._lock: asyncio.Lock | None = None

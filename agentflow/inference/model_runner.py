@@ -41,6 +41,7 @@ class ModelRunner:
         kv_budget_tokens: int,
         seed: int = 0,
         fast_decode: bool = True,
+        fast_prefill: bool = True,
     ) -> None:
         self.model = model
         cfg = model.config
@@ -59,6 +60,8 @@ class ModelRunner:
         self._attention = attention.register()
         self._cache_kwarg = _cache_kwarg(model)
         self._fast = LlamaDecodeStep(model) if fast_decode and fast_decode_supports(model) else None
+        # Prefill through the same lean layers (else through the HF forward).
+        self.fast_prefill = fast_prefill
         self.shared_generator = torch.Generator().manual_seed(seed)
         # Only the worker thread runs steps, but update/close may come from elsewhere.
         self.lock = threading.Lock()
@@ -170,6 +173,13 @@ class ModelRunner:
         keys = torch.arange(kv_len, device=dev).view(1, 1, -1)
         # Padding rows attend to position 0 only: any finite row avoids NaN, and is discarded.
         allowed = (keys <= qpos.unsqueeze(2)) | (padded.unsqueeze(2) & (keys == 0))
+        if self._fast is not None and self.fast_prefill:
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            logits = self._fast.prefill(
+                self.kv, first_row, ids, qpos.clamp(min=0), write_pos, mask.unsqueeze(1), kv_len
+            )
+            return logits, cached
         rows = slice(first_row, first_row + k)
         logits = self._forward(rows, ids, qpos.clamp(min=0), write_pos, allowed, kv_len)
         return logits, cached
