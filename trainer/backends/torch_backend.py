@@ -24,14 +24,16 @@ positions that are needed (policy tokens), not the whole grid: with a large voca
 the full logits are the biggest tensor of the step. The model stays in eval mode: RL
 ratios need a deterministic forward (no dropout); gradients flow all the same.
 
-Distributed (FSDP2): when `torch.distributed` is initialised and the device is CUDA,
-each decoder layer and then the root are wrapped with `fully_shard`; the forward runs
-through the root module (hooks gather the shards) and takes the logits of the needed
-positions from it; gradients are reduced only on a mini-batch's last micro-batch; the
-token-mean denominator is the global policy-token count; every rank runs the same number
-of micro-batches (short ranks repeat one with zero loss weight, as FSDP's collectives
-need every rank); state dicts are gathered full on CPU and rank 0 writes checkpoints.
-This path is not exercised by the CPU test suite.
+Distributed (FSDP2): when `torch.distributed` is initialised with more than one rank
+(NCCL on CUDA, gloo on CPU), each decoder layer and then the root are wrapped with
+`fully_shard`; the forward runs through the root module (hooks gather the shards) and
+takes the logits of the needed positions from it; gradients are reduced only on a
+mini-batch's last micro-batch, summed, not averaged: the token-mean denominator is
+already the global policy-token count, so the sum is the full batch's gradient; every
+rank runs the same number of micro-batches (short ranks repeat one with zero loss
+weight, as FSDP's collectives need every rank); state dicts are gathered full on CPU and
+rank 0 writes checkpoints. `tests/integration/trainer/test_fsdp.py` runs it on two CPU
+ranks against one process on the whole batch.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class TorchBackendConfig(BaseModel):
 
 
 def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class TorchPolicy:
@@ -99,7 +102,7 @@ class TorchPolicy:
         self.reference = None if reference is None else reference.to(self.device).eval()  # type: ignore[arg-type]
         if self.reference is not None:
             self.reference.requires_grad_(False)
-        self.sharded = _distributed() and self.device.type == "cuda"
+        self.sharded = _distributed()
         if self.sharded:
             self._shard()
         self.optimizer = torch.optim.AdamW(
@@ -116,9 +119,14 @@ class TorchPolicy:
     def _shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in self.model.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(self.model)
+        shards = [fully_shard(layer) for layer in self.model.get_decoder().layers]
+        shards.append(fully_shard(self.model))
+        for module in shards:
+            # FSDP averages gradients over ranks by default; the loss is already divided
+            # by the global token count, so the ranks' gradients must add up instead.
+            # Plain SUM collectives: gloo has no pre-multiplied sum.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
     def _selected_logprobs(
         self,
