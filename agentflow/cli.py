@@ -275,7 +275,9 @@ def _run_config(path: Path) -> Any:
         raise _fail(exc) from None
 
 
-ConfigArg = Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="run config (TOML)")]
+ConfigArg = Annotated[
+    Path, typer.Argument(exists=True, dir_okay=False, help="run config (TOML, or JSON as *.json)")
+]
 
 
 @app.command()

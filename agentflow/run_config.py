@@ -6,6 +6,7 @@ naming the field. Backends are `type`-discriminated so each gets only its own op
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -235,6 +236,13 @@ class RunConfig(_Section):
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a TOML run config; raises pydantic.ValidationError naming the bad field."""
+    """Read a run config file: TOML, or JSON (the API's body) when it ends in `.json`.
+    Raises pydantic.ValidationError naming the bad field, ValueError on bad syntax."""
     with open(path, "rb") as fh:
+        if Path(path).suffix.lower() == ".json":
+            try:
+                document = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not JSON: {exc}") from None
+            return RunConfig.model_validate(document)
         return RunConfig.model_validate(tomllib.load(fh))

@@ -44,3 +44,16 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     path.write_text('name = "t"\nseed = 3\n[[envs]]\nid = "agentflow/guess-number-v0"\n')
     config = load_run_config(path)
     assert (config.seed, config.envs[0].id) == (3, "agentflow/guess-number-v0")
+
+
+def test_json_file_is_the_api_body(tmp_path: Path) -> None:
+    body = RunConfig.model_validate({"name": "j", "seed": 4, "envs": [{"id": "a/B-v0"}]})
+    path = tmp_path / "run.json"
+    path.write_text(body.model_dump_json())
+    assert load_run_config(path) == body
+    path.write_text('{"name": "j",')
+    with pytest.raises(ValueError, match="not JSON"):
+        load_run_config(path)
+    path.write_text('{"name": "j", "envs": [], "seed": "x"}')
+    with pytest.raises(ValidationError):
+        load_run_config(path)
