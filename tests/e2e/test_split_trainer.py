@@ -19,6 +19,7 @@ import pytest
 from agentflow.modeling import ModelInit, build_model, load_model, score
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
+from tests.integration.trainer.test_weight_sync import _policy_turns
 
 pytestmark = pytest.mark.integration
 
@@ -42,16 +43,6 @@ def _config(tmp_path: Path) -> dict[str, Any]:
         },
         "weights": {"sync": "disk", "dir": str(tmp_path / "weights")},
     }
-
-
-def _policy_turns(tree: dict[str, Any]) -> list[tuple[list[int], dict[str, Any]]]:
-    found, stack = [], [([], root) for root in tree["roots"]]
-    while stack:
-        context, node = stack.pop()
-        if node["kind"] == "policy":
-            found.append((context, node))
-        stack.extend((context + list(node["token_ids"]), c) for c in node["children"])
-    return found
 
 
 def _episode_on(url: str, run_id: str, version: int) -> dict[str, Any]:
