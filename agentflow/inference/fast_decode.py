@@ -78,7 +78,8 @@ class _Linear:
 class _Layer:
     """One decoder layer's weights, fused where the step can use them fused."""
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, heads: int, kv_heads: int, head_dim: int) -> None:
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         a, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.input_eps = _eps(layer.input_layernorm)
@@ -96,6 +97,39 @@ class _Layer:
         self.gate_up = _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up_b)
         self.act_fn = mlp.act_fn
         self.down_proj = _Linear(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None))
+
+    def project(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For tokens `h` `[t, hidden]`: q `[t, heads, dim]` and k, v `[t * kv_heads, dim]`,
+        rotary applied to q and k (`cos`, `sin` `[t, 1, dim]`)."""
+        t, heads, kv_heads, dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(_rms_norm(self.input_norm, self.input_eps, h))
+        qk_end = (heads + kv_heads) * dim
+        # Rotary on q and k together: x * cos + rotate_half(x) * sin.
+        qk = qkv[:, :qk_end].view(t, heads + kv_heads, dim)
+        half = dim // 2
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk = torch.addcmul(qk * cos, swapped, sin)
+        k = qk[:, heads:].reshape(t * kv_heads, dim)
+        v = qkv[:, qk_end:].reshape(t * kv_heads, dim)
+        return qk[:, :heads], k, v
+
+    def finish(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output `attended`: o_proj, then the MLP."""
+        h = self.o_proj.add_to(h, attended)
+        x = _rms_norm(self.post_norm, self.post_eps, h)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj.add_to(h, self.act_fn(gate) * up)
+
+
+def _write_kv(
+    keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store `k`, `v` `[r, dim]` at flat rows `rows` of a layer's slot buffers."""
+    dim = keys.shape[-1]
+    keys.view(-1, dim).index_copy_(0, rows, k.to(keys.dtype))
+    values.view(-1, dim).index_copy_(0, rows, v.to(values.dtype))
 
 
 class LlamaDecodeStep:
@@ -116,7 +150,10 @@ class LlamaDecodeStep:
     def refresh(self) -> None:
         """Rebuild the fused weights (and rotary table) from the model's current ones."""
         with torch.no_grad():
-            self._layers = [_Layer(layer) for layer in self.model.model.layers]
+            self._layers = [
+                _Layer(layer, self.heads, self.kv_heads, self.head_dim)
+                for layer in self.model.model.layers
+            ]
             norm = self.model.model.norm
             self._final_norm, self._final_eps = norm.weight, _eps(norm)
             head = self.model.lm_head
@@ -148,11 +185,9 @@ class LlamaDecodeStep:
         n = ids.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
-        qk_heads = heads + kv_heads
         # 2D activations [n, hidden] throughout: one token per row, no sequence axis.
         h = inner.embed_tokens(ids[:, 0])
         cos, sin = self._rotary(h, pos, kv_len)
-        half = dim // 2
         # Where row r, KV head j writes its new K/V in a layer's buffer viewed as
         # [slots * kv_heads * capacity, dim]: one index_copy_ per tensor, shared by layers.
         cap = kv.k[0].shape[2]
@@ -162,32 +197,16 @@ class LlamaDecodeStep:
         # Additive mask per (row, KV head) block, the batch layout of the score bmm.
         mask3 = mask.reshape(n, 1, 1, kv_len).expand(n, kv_heads, 1, kv_len)
         mask3 = mask3.reshape(n * kv_heads, 1, kv_len)
-        q_end = heads * dim
         for i, layer in enumerate(self._layers):
-            qkv = layer.qkv(_rms_norm(layer.input_norm, layer.input_eps, h))
-            # Rotary on q and k together: x * cos + rotate_half(x) * sin.
-            qk = qkv[:, : qk_heads * dim].view(n, qk_heads, dim)
-            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-            qk = torch.addcmul(qk * cos, swapped, sin)
-            q = qk[:, :heads]
-            k = qk[:, heads:].reshape(n * kv_heads, dim)
-            v = qkv[:, q_end + kv_heads * dim :].reshape(n * kv_heads, dim)
-            keys, values = kv.k[i], kv.v[i]
-            flat_k = keys.view(-1, dim)
-            flat_v = values.view(-1, dim)
-            flat_k.index_copy_(0, write_idx, k.to(keys.dtype))
-            flat_v.index_copy_(0, write_idx, v.to(values.dtype))
-            keys = keys[:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
-            values = values[:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
+            q, k, v = layer.project(h, cos, sin)
+            _write_kv(kv.k[i], kv.v[i], write_idx, k, v)
+            keys = kv.k[i][:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
+            values = kv.v[i][:n, :, :kv_len].reshape(n * kv_heads, kv_len, dim)
             # GQA: head h reads KV head h // group, so a group is a block of query rows.
             q3 = q.reshape(n * kv_heads, group, dim).to(keys.dtype)
             scores = torch.baddbmm(mask3, q3, keys.transpose(1, 2), alpha=layer.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            out = torch.bmm(probs, values).view(n, heads * dim).to(h.dtype)
-            h = layer.o_proj.add_to(h, out)
-            x = _rms_norm(layer.post_norm, layer.post_eps, h)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = layer.down_proj.add_to(h, layer.act_fn(gate) * up)
+            h = layer.finish(h, torch.bmm(probs, values).view(n, heads * dim).to(h.dtype))
         h = _rms_norm(self._final_norm, self._final_eps, h)
         return self._lm_head(h).float()
 
@@ -209,45 +228,32 @@ class LlamaDecodeStep:
         k, width = ids.shape
         m = k * width
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        qk_heads = heads + kv_heads
         h = inner.embed_tokens(ids.reshape(m))  # [m, hidden]: tokens of all rows in a row
         cos, sin = self._rotary(h, pos.reshape(m, 1), kv_len)
-        half = dim // 2
         cap = kv.k[0].shape[2]
         rows = torch.arange(first_row, first_row + k, device=ids.device).view(k, 1, 1)
         heads_idx = torch.arange(kv_heads, device=ids.device).view(1, 1, kv_heads)
         # Token (r, t), KV head j -> the flat slot-buffer row; padding all lands on scratch.
         write_idx = ((rows * kv_heads + heads_idx) * cap + write_pos.unsqueeze(2)).reshape(-1)
-        q_end = heads * dim
         last_layer = len(self._layers) - 1
         for i, layer in enumerate(self._layers):
-            qkv = layer.qkv(_rms_norm(layer.input_norm, layer.input_eps, h))
-            qk = qkv[:, : qk_heads * dim].view(m, qk_heads, dim)
-            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-            qk = torch.addcmul(qk * cos, swapped, sin)
-            keys, values = kv.k[i], kv.v[i]
-            new_k = qk[:, heads:].reshape(m * kv_heads, dim).to(keys.dtype)
-            new_v = qkv[:, q_end + kv_heads * dim :].reshape(m * kv_heads, dim).to(values.dtype)
-            keys.view(-1, dim).index_copy_(0, write_idx, new_k)
-            values.view(-1, dim).index_copy_(0, write_idx, new_v)
-            q = qk[:, :heads].view(k, width, heads, dim)
+            q, new_k, new_v = layer.project(h, cos, sin)
+            _write_kv(kv.k[i], kv.v[i], write_idx, new_k, new_v)
+            q = q.view(k, width, heads, dim)
             if i == last_layer:
                 # Every token's K/V is written; past this point only the last token of
                 # each row feeds the logits, so the rest of the layer runs on k rows.
                 q, mask, h = q[:, -1:], mask[:, :, -1:], h.view(k, width, -1)[:, -1]
+            keys = kv.k[i][first_row : first_row + k, :, :kv_len]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2).to(keys.dtype),
-                keys[first_row : first_row + k, :, :kv_len],
-                values[first_row : first_row + k, :, :kv_len],
+                keys,
+                kv.v[i][first_row : first_row + k, :, :kv_len],
                 attn_mask=mask,
                 scale=layer.scaling,
                 enable_gqa=heads != kv_heads,
             )
-            out = out.transpose(1, 2).reshape(h.shape[0], heads * dim).to(h.dtype)
-            h = layer.o_proj.add_to(h, out)
-            x = _rms_norm(layer.post_norm, layer.post_eps, h)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = layer.down_proj.add_to(h, layer.act_fn(gate) * up)
+            h = layer.finish(h, out.transpose(1, 2).reshape(h.shape[0], heads * dim).to(h.dtype))
         return self._lm_head(_rms_norm(self._final_norm, self._final_eps, h)).float()
 
 
