@@ -26,14 +26,14 @@ pytestmark = pytest.mark.integration
 STEPS = 3
 
 
-def _config(tmp_path: Path) -> dict[str, Any]:
+def _config(tmp_path: Path, env_id: str) -> dict[str, Any]:
     return {
         "name": "split-test",
         "seed": 5,
         "model": {"init": {"layers": 1, "hidden": 32, "heads": 2, "max_context": 512}},
         "engine": {"type": "local", "max_batch_size": 32},
-        "envs": [{"id": "agentflow/guess-number-v0", "max_concurrency": 32}],
-        "agent": {"max_turns": 4, "max_new_tokens": 6},
+        "envs": [{"id": env_id, "max_concurrency": 32}],
+        "agent": {"max_turns": 1, "max_new_tokens": 6},
         "rollout": {"group_size": 4, "max_staleness": 1},
         "trainer": {
             "batch_episodes": 8,
@@ -64,12 +64,19 @@ def _episode_on(url: str, run_id: str, version: int) -> dict[str, Any]:
 
 
 def test_a_trainer_process_trains_a_gateway_run(sqlite_database: str, tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    # Rewards that differ within a group, so every step has a gradient to apply.
+    env = {
+        "name": f"parity-{time.monotonic_ns()}",
+        "kind": "python",
+        "spec": {"entry_point": "tests.integration.rollout.scripted_envs:ParityEnv"},
+    }
+    config = _config(tmp_path, env["name"])
     config_file = tmp_path / "run.json"
     config_file.write_text(json.dumps(config))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with gateway_process(sqlite_database, tmp_path, port):
+        assert httpx.post(f"{url}/v1/envs", json=env).status_code == 201
         created = httpx.post(f"{url}/v1/runs", json=config, timeout=60)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]

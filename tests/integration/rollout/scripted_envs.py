@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
-from envs.base import Action, Message, Observation, StepResult
+from envs.base import Action, Message, Observation, StepResult, TextAction
 
 
 class SlowEnv:
@@ -72,3 +72,20 @@ class HangingEnv(SlowEnv):
     async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+
+class ParityEnv(SlowEnv):
+    """One step, rewarded 1 when the reply's UTF-8 length is even: about half of a random
+    policy's samples score, so a group's rewards (and its advantages) almost never tie."""
+
+    def __init__(self, delay: float = 0.0, steps: int = 1) -> None:
+        super().__init__(delay=delay, steps=1)
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        text = action.text if isinstance(action, TextAction) else ""
+        even = len(text.encode()) % 2 == 0
+        return StepResult(
+            observation=Observation(messages=[Message(role="user", content="done")]),
+            reward=1.0 if even else 0.0,
+            terminated=True,
+        )
