@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.agents.whitebox import WhiteBoxAgent
+from agentflow.agents.whitebox import WhiteBoxAgent, _Writes
 from agentflow.db.turn_tree import TurnTree
 from agentflow.inference.base import SamplingParams
 from agentflow.inference.local import LocalEngine
 from agentflow.tokenization.chat import ByteChatTemplate
-from agentflow.types import StoredTurn
+from agentflow.types import NewTurn, StoredTurn
 from envs import registry
 from tests.integration.agents.conftest import TINY
 from tests.integration.rollout.scripted_envs import GatedEnv, SlowEnv
@@ -177,13 +180,40 @@ class _StallingClose:
         return getattr(self.inner, name)
 
 
+class _HeldTurns(TurnTree):
+    """Records every queued turn's future; the write of the last env turn waits until
+    `writes_open` is set, so the episode's end has a write in flight."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], env_steps: int) -> None:
+        super().__init__(sessions)
+        self.queued: list[asyncio.Future[None]] = []
+        self.env_steps, self.env_turns = env_steps, 0
+        self.writes_open = asyncio.Event()
+        self.writes_open.set()
+
+    def submit_turn(self, *args: Any) -> tuple[uuid.UUID, asyncio.Future[None]]:
+        turn_id, committed = super().submit_turn(*args)
+        self.queued.append(committed)
+        return turn_id, committed
+
+    async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
+        self.env_turns += sum(t.record.kind == "env" for t in batch)
+        if self.env_turns >= self.env_steps:
+            await self.writes_open.wait()
+        return await super().add_turns(batch)
+
+
 @pytest.mark.parametrize("stop_at", ["closing", "settling"])
 async def test_a_stop_while_an_episode_ends_still_commits_its_turns(
-    stop_at: str, local_engine: LocalEngine, sessions: async_sessionmaker[AsyncSession]
+    stop_at: str,
+    local_engine: LocalEngine,
+    sessions: async_sessionmaker[AsyncSession],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The run records an episode's outcome once its agent task is over: every turn the
     agent queued must be committed by then, or it would land in (and be refused by) a
-    finished episode."""
+    finished episode. The stop lands while the agent closes its engine session, or while
+    it waits for its last write."""
     engine = _StallingClose(local_engine)
     runtime = PolicyRuntime(
         engine=engine,  # type: ignore[arg-type]
@@ -191,16 +221,18 @@ async def test_a_stop_while_an_episode_ends_still_commits_its_turns(
         sampling=SamplingParams(max_new_tokens=8),
         max_context=TINY.max_context,
     )
-    turns = TurnTree(sessions)
-    queued: list[asyncio.Future[None]] = []
-    submit = turns.submit_turn
+    turns = _HeldTurns(sessions, env_steps=2)
+    settling = asyncio.Event()
+    settle = _Writes.settle
 
-    def recording_submit(*args: object) -> tuple[object, asyncio.Future[None]]:
-        turn_id, committed = submit(*args)  # type: ignore[arg-type]
-        queued.append(committed)
-        return turn_id, committed
+    async def marked_settle(self: _Writes) -> None:
+        settling.set()
+        await settle(self)
 
-    turns.submit_turn = recording_submit  # type: ignore[method-assign]
+    monkeypatch.setattr(_Writes, "settle", marked_settle)
+    turns.writes_open.clear()  # the last env turn's write waits: the end has one in flight
+    if stop_at == "settling":
+        engine.release.set()
     episode_id = await turns.create_episode(env_ref="test/Slow-v0")
     handle = EpisodeHandle(
         episode_id=episode_id,
@@ -211,17 +243,18 @@ async def test_a_stop_while_an_episode_ends_still_commits_its_turns(
         budget=Budget(max_turns=3, max_tokens=1000),
     )
     agent = asyncio.create_task(WhiteBoxAgent(park_after_s=None).run(handle))
-    await engine.closing.wait()
-    if stop_at == "settling":
-        engine.release.set()
-        while not queued or all(f.done() for f in queued):
-            await asyncio.sleep(0)  # the agent now waits on its last writes
+    await (settling if stop_at == "settling" else engine.closing).wait()
+    assert not agent.done()
     agent.cancel()
     engine.release.set()
+    await asyncio.sleep(0.05)
+    assert not agent.done()  # it waits for the held write, cancelled or not
+    turns.writes_open.set()
     with pytest.raises(asyncio.CancelledError):
         await agent
-    assert queued and all(f.done() and not f.cancelled() for f in queued)
-    assert all(f.exception() is None for f in queued)
+    queued = turns.queued
+    assert len(queued) == 5  # prompt, then policy and env turns twice
+    assert all(f.done() and not f.cancelled() and f.exception() is None for f in queued)
     # The outcome is recorded now, as the run does; no turn may be left to write after it.
     await turns.complete_episode(episode_id, "aborted", error="run stopped")
     tree = await turns.episode_tree(episode_id)
