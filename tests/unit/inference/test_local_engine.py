@@ -141,6 +141,43 @@ async def test_fast_step_with_biases_is_consistent(kind):
     await assert_batch_consistent(eng, seed=4, temp=0.8)
 
 
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPE))
+async def test_fast_path_with_scaled_rope_is_consistent(rope):
+    """Position-only rope scalings go through the cached rotary table: prompts past the
+    llama3 original length still score as teacher forcing."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=266,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=192,
+        rope_parameters={**SCALED_ROPE[rope], "rope_theta": 10000.0},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = LlamaForCausalLM(config).eval()
+    eng = LocalEngine(model, max_batch_size=8)
+    assert eng._runner._fast is not None and eng._runner._fast._static_rope
+    await assert_batch_consistent(eng, seed=5, temp=1.0)
+
+
 async def test_seed_reproduces_sampling(engine):
     a = await engine.generate(req([5, 6, 7], seed=123, n=12))
     b = await engine.generate(req([5, 6, 7], seed=123, n=12))
