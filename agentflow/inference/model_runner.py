@@ -110,8 +110,7 @@ class ModelRunner:
         allowed: torch.Tensor,
         kv_len: int,
     ) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = self._additive_mask(allowed)
         cfg = self.model.config
         previous = cfg._attn_implementation
         # Only for this call: teacher forcing on the same model keeps its own attention.
@@ -128,6 +127,11 @@ class ModelRunner:
         finally:
             cfg._attn_implementation = previous
         return out.logits[:, -1, :].float()
+
+    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """0 where `allowed`, the dtype's minimum elsewhere (what attention adds to scores)."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
     def _decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         dev = self.device
@@ -174,10 +178,9 @@ class ModelRunner:
         # Padding rows attend to position 0 only: any finite row avoids NaN, and is discarded.
         allowed = (keys <= qpos.unsqueeze(2)) | (padded.unsqueeze(2) & (keys == 0))
         if self._fast is not None and self.fast_prefill:
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            mask = self._additive_mask(allowed).unsqueeze(1)
             logits = self._fast.prefill(
-                self.kv, first_row, ids, qpos.clamp(min=0), write_pos, mask.unsqueeze(1), kv_len
+                self.kv, first_row, ids, qpos.clamp(min=0), write_pos, mask, kv_len
             )
             return logits, cached
         rows = slice(first_row, first_row + k)

@@ -103,31 +103,44 @@ async def test_generic_hf_path_is_consistent_too():
     await assert_batch_consistent(eng, seed=2, temp=0.9)
 
 
-def _biased_model(kind: str):
-    """A tiny random model whose projections carry biases (the fast step's other branch)."""
+# A tiny HF model shape for the fast path's architecture variants.
+TINY_HF = dict(
+    vocab_size=266,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=192,
+)
+
+
+def _tiny_hf_model(kind: str, seed: int, **config: object):
+    """A random `TINY_HF` model of `kind` (`llama` or `qwen2`), its config extended."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(
-        vocab_size=266,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=192,
-    )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        if kind == "qwen2":  # q/k/v biases, as in every Qwen2 checkpoint
-            model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
-        else:
-            model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, mlp_bias=True))
-        with torch.no_grad():  # random init leaves biases at zero; make them count
-            for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_(0.0, 0.5)
-    return model.eval()
+        torch.manual_seed(seed)
+        if kind == "qwen2":
+            return Qwen2ForCausalLM(Qwen2Config(**TINY_HF, **config)).eval()
+        return LlamaForCausalLM(LlamaConfig(**TINY_HF, **config)).eval()
+
+
+def _biased_model(kind: str):
+    """A tiny random model whose projections carry biases (the fast step's other branch)."""
+    import torch
+
+    if kind == "qwen2":  # q/k/v biases, as in every Qwen2 checkpoint
+        model = _tiny_hf_model("qwen2", 3, use_sliding_window=False)
+    else:
+        model = _tiny_hf_model("llama", 3, attention_bias=True, mlp_bias=True)
+    draws = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # random init leaves biases at zero; make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5, generator=draws)
+    return model
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama-bias"])
@@ -157,22 +170,8 @@ SCALED_ROPE = {
 async def test_fast_path_with_scaled_rope_is_consistent(rope):
     """Position-only rope scalings go through the cached rotary table: prompts past the
     llama3 original length still score as teacher forcing."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=266,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=192,
-        rope_parameters={**SCALED_ROPE[rope], "rope_theta": 10000.0},
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(5)
-        model = LlamaForCausalLM(config).eval()
+    rope_parameters = {**SCALED_ROPE[rope], "rope_theta": 10000.0}
+    model = _tiny_hf_model("llama", 5, rope_parameters=rope_parameters)
     eng = LocalEngine(model, max_batch_size=8)
     assert eng._runner._fast is not None and eng._runner._fast._static_rope
     await assert_batch_consistent(eng, seed=5, temp=1.0)
