@@ -1,9 +1,7 @@
 """Evaluation of a policy on an env: many sampled episodes at once on `LocalEngine`.
 
-`sample_episode` makes the white-box loop's calls (`agentflow.agents.whitebox`): the
-prompt rendered with the chat template, then per turn only the new tokens on the
-episode's engine session, the parsed reply as the env action, the observation as a token
-delta; it skips the database writes, so hundreds of episodes evaluate in seconds.
+Episodes are played by the episode loop (`agentflow.agents.episode`), exactly as in RL,
+but kept in memory instead of the turn tree, so hundreds evaluate in seconds.
 `evaluate` reports mean reward and success rate over `n` of them.
 """
 
@@ -12,32 +10,22 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef
+from agentflow.agents.actions import SampledActions
+from agentflow.agents.base import Budget
+from agentflow.agents.episode import EpisodeLoop
+from agentflow.agents.recorders import MemoryRecorder
+from agentflow.agents.runtime import PolicyRuntime
+from agentflow.inference.base import SamplingParams
 from agentflow.tokenization.chat import ChatTemplate
-from agentflow.tokenization.tool_calls import ParsedAssistant
 from envs import registry
-from envs.base import StepResult, TextAction, ToolCall, ToolCallsAction
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from agentflow.inference.local import LocalEngine
-
-
-def env_action(parsed: ParsedAssistant) -> TextAction | ToolCallsAction:
-    """The env action for a parsed reply, built as the white-box agent builds it."""
-    if parsed.tool_calls:
-        calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in parsed.tool_calls]
-        return ToolCallsAction(calls=calls)
-    return TextAction(text=parsed.content[:100_000])
-
-
-def observation_messages(step: StepResult) -> list[dict[str, Any]]:
-    return [m.model_dump(exclude_none=True) for m in step.observation.messages]
 
 
 @dataclass
@@ -64,62 +52,38 @@ class SampledEpisode:
 
 
 async def sample_episode(
-    engine: LocalEngine,
+    runtime: PolicyRuntime,
     env_id: str,
-    template: ChatTemplate,
-    sampling: SamplingParams,
     env_seed: int,
     *,
-    max_turns: int = 6,
-    max_tokens: int = 512,
+    budget: Budget | None = None,
+    system_prompt: str | None = None,
 ) -> SampledEpisode:
-    """One episode through the white-box loop's calls: the prompt, then per turn only
-    the new tokens on the episode's engine session, the parsed reply as the action, the
-    observation as a token delta. Success is the env's `info["success"]` at the end,
-    else "terminated with a positive reward"."""
+    """One episode played by the episode loop on `runtime`'s engine, kept in memory.
+    Success is the env's `info["success"]` at the end, else "terminated with a positive
+    reward"."""
+    loop = EpisodeLoop(
+        runtime.template,
+        budget or Budget(max_turns=6, max_tokens=512),
+        runtime.max_context,
+        system_prompt=system_prompt,
+    )
     env = registry.make(env_id)
-    session_id = await engine.open_session()
+    recorder = MemoryRecorder()
     try:
-        first = await env.reset(seed=env_seed)
-        pending = template.render(observation_messages(first), tools=env.tools() or None).token_ids
-        ids, mask, logprobs = list(pending), [0] * len(pending), [0.0] * len(pending)
-        parent: str | None = None
-        reward, success, turns = 0.0, False, 0
-        for _ in range(max_turns):
-            room = min(max_tokens, engine.max_context) - len(ids)
-            if room <= 0:
-                break
-            request = GenerateRequest(
-                input_ids=tuple(pending),
-                sampling=sampling.model_copy(
-                    update={"max_new_tokens": max(1, min(sampling.max_new_tokens, room))}
-                ),
-                rid=uuid.uuid4().hex,
-                session=SessionRef(session_id=session_id, parent_rid=parent),
-            )
-            result = await engine.generate(request)
-            parent = request.rid
-            ids += result.output_ids
-            mask += [1] * len(result.output_ids)
-            logprobs += result.logprobs
-            step = await env.step(env_action(template.parse_assistant(result.output_ids)))
-            turns += 1
-            reward += step.reward
-            pending = template.render_delta(
-                observation_messages(step),
-                after=result.output_ids,
-                add_generation_prompt=not step.done,
-            ).token_ids
-            ids += pending
-            mask += [0] * len(pending)
-            logprobs += [0.0] * len(pending)
-            if step.done:
-                success = bool(step.info.get("success", step.terminated and step.reward > 0))
-                break
-        return SampledEpisode(ids, mask, logprobs, reward, success, turns)
+        outcome = await loop.play(
+            env, {"seed": env_seed}, SampledActions(runtime, park_after_s=None), recorder
+        )
     finally:
-        await engine.close_session(session_id)
         await env.close()
+    return SampledEpisode(
+        recorder.token_ids,
+        recorder.loss_mask,
+        recorder.logprobs,
+        outcome.reward or 0.0,
+        outcome.success,
+        outcome.turns,
+    )
 
 
 async def evaluate(
@@ -134,6 +98,7 @@ async def evaluate(
     max_tokens: int = 512,
     max_new_tokens: int = 16,
     concurrency: int = 128,
+    system_prompt: str | None = None,
 ) -> EvalMetrics:
     """Mean reward and success rate over `n` sampled episodes, `concurrency` at a time.
 
@@ -148,9 +113,18 @@ async def evaluate(
         if isinstance(policy, LocalEngine)
         else LocalEngine(policy, max_batch_size=concurrency, seed=seed)
     )
-    sampling = SamplingParams(
-        temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=template.stop_ids
+    runtime = PolicyRuntime(
+        engine,
+        template,
+        sampling=SamplingParams(
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=template.stop_ids,
+        ),
+        max_context=engine.max_context,
+        partial_rollout=False,
     )
+    budget = Budget(max_turns=max_turns, max_tokens=max_tokens)
     rng = random.Random(seed)
     seeds = [rng.getrandbits(31) for _ in range(n)]
     gate = asyncio.Semaphore(concurrency)
@@ -158,13 +132,7 @@ async def evaluate(
     async def one(env_seed: int) -> SampledEpisode:
         async with gate:
             return await sample_episode(
-                engine,
-                env_id,
-                template,
-                sampling,
-                env_seed,
-                max_turns=max_turns,
-                max_tokens=max_tokens,
+                runtime, env_id, env_seed, budget=budget, system_prompt=system_prompt
             )
 
     started = time.perf_counter()

@@ -5,19 +5,16 @@ policy that already speaks the env's format and half-solves it. This module make
 policy:
 
 - `oracle_episodes` plays an env with its *noisy* oracle (the scripted solution with
-  probability `p_oracle`, else a random move) and renders each episode exactly as the
-  white-box agent records it (`agentflow.agents.whitebox`): the prompt with
-  `template.render(messages, tools=...)`, each reply as the tokens the engine would emit
-  (text, tool calls, then the template's first stop token), each observation with
-  `template.render_delta(..., after=reply, add_generation_prompt=not done)`. Only reply
-  tokens carry loss mask 1. The policy therefore learns the very token format that RL
-  samples and parses.
+  probability `p_oracle`, else a random move) through the episode loop RL uses
+  (`agentflow.agents.episode`), with the agent's system prompt and budgets; each move is
+  rendered as the tokens the engine would emit (`ScriptedActions`). Only reply tokens
+  carry loss mask 1. The policy therefore learns the very token format that RL samples
+  and parses.
 - `sft` trains a causal LM on such sequences (AdamW, warm-up then cosine decay, padded
   batches of similar length); `sft_from_trajectories` does the same on stored
   `Trajectory` objects, with their own loss masks.
-- `evaluate` samples episodes with the local engine, many at once, through the same
-  calls the white-box loop makes (session per episode, only new tokens per turn), minus
-  the database writes, and reports mean reward and success rate.
+- `evaluate` (`trainer.evaluation`) samples episodes with the local engine, many at once,
+  through the same loop, kept in memory, and reports mean reward and success rate.
 - `run_sft` does all of it from one `SftConfig` and saves an HF-format checkpoint.
 
 Why a noisy oracle, not the oracle: a near-perfect warm start leaves RL nothing to
@@ -43,20 +40,23 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentflow.agents.actions import ScriptedActions, ScriptedPolicy
+from agentflow.agents.base import Budget
+from agentflow.agents.episode import EpisodeLoop
+from agentflow.agents.recorders import MemoryRecorder
 from agentflow.errors import InvalidInput
 from agentflow.modeling import ModelInit, build_model, load_model, save_model
 from agentflow.tokenization.chat import ChatTemplate, chat_template_for
-from agentflow.tokenization.tool_calls import ToolCallStyle, render_tool_call
 from agentflow.types import Trajectory
 from envs import registry
-from envs.base import EnvConfigError, Observation, TextAction, ToolCallsAction
-from trainer.evaluation import env_action, evaluate, observation_messages
+from envs.base import EnvConfigError
+from trainer.evaluation import evaluate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-OraclePolicy = Callable[[Sequence[Observation]], Any]
+OraclePolicy = ScriptedPolicy
 SFT_METRICS_FILE = "sft_metrics.json"
 
 
@@ -93,69 +93,24 @@ def noisy_policy(env_id: str, p_oracle: float, seed: int) -> OraclePolicy:
     return policy
 
 
-def reply_token_ids(template: ChatTemplate, action: Any) -> list[int]:
-    """The tokens a policy emits for `action` (a text or tool-calls action): its text,
-    its tool calls in the template's style, then the first stop token, which is where the
-    engine ends a turn. Checked by parsing them back as the white-box agent does."""
-    tok = template.tokenizer
-    style: ToolCallStyle = getattr(template, "tool_call_style", "agentflow")
-    if isinstance(action, TextAction):
-        ids, calls = tok.encode(action.text), []
-    elif isinstance(action, ToolCallsAction):
-        calls = action.calls
-        ids = []
-        for call in calls:
-            text = render_tool_call({"name": call.name, "arguments": call.arguments}, style)
-            ids += tok.encode(text, allow_special=True)
-    else:
-        raise InvalidInput(f"cannot render a {type(action).__name__} as tokens", field="action")
-    ids.append(template.stop_ids[0])
-    parsed = template.parse_assistant(ids)
-    same = [(c.name, c.arguments) for c in parsed.tool_calls] == [
-        (c.name, c.arguments) for c in calls
-    ]
-    text = action.text.strip() if isinstance(action, TextAction) else ""
-    if not same or parsed.content != text:
-        raise InvalidInput(f"the template does not round-trip the action {action!r}")
-    return ids
-
-
 async def _oracle_episode(
-    env_id: str,
-    template: ChatTemplate,
-    policy: OraclePolicy,
-    env_seed: int,
-    max_turns: int,
-    system_prompt: str | None,
+    loop: EpisodeLoop, env_id: str, policy: OraclePolicy, env_seed: int
 ) -> SftSequence:
     env = registry.make(env_id)
+    recorder = MemoryRecorder()
     try:
-        first = await env.reset(seed=env_seed)
-        messages = observation_messages(first)
-        if system_prompt and not (messages and messages[0]["role"] == "system"):
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        prompt = template.render(messages, tools=env.tools() or None)
-        ids, mask = list(prompt.token_ids), [0] * len(prompt.token_ids)
-        history = [first.observation]
-        reward, turns = 0.0, 0
-        for _ in range(max_turns):
-            reply = reply_token_ids(template, policy(history))
-            ids += reply
-            mask += [1] * len(reply)
-            step = await env.step(env_action(template.parse_assistant(reply)))
-            turns += 1
-            reward += step.reward
-            history.append(step.observation)
-            delta = template.render_delta(
-                observation_messages(step), after=reply, add_generation_prompt=not step.done
-            ).token_ids
-            ids += delta
-            mask += [0] * len(delta)
-            if step.done:
-                break
+        outcome = await loop.play(
+            env, {"seed": env_seed}, ScriptedActions(loop.template, policy), recorder
+        )
     finally:
         await env.close()
-    return SftSequence(tuple(ids), tuple(mask), reward, turns, env_seed)
+    return SftSequence(
+        tuple(recorder.token_ids),
+        tuple(recorder.loss_mask),
+        outcome.reward or 0.0,
+        outcome.turns,
+        env_seed,
+    )
 
 
 async def oracle_episodes(
@@ -166,21 +121,26 @@ async def oracle_episodes(
     p_oracle: float = 0.35,
     seed: int = 0,
     max_turns: int = 6,
+    max_tokens: int = 512,
     system_prompt: str | None = None,
 ) -> list[SftSequence]:
-    """`n` episodes of the env's noisy oracle, rendered as the white-box agent records
-    them (see the module docstring). `max_turns` is the agent's turn budget; the same
-    `seed` gives the same episodes."""
+    """`n` episodes of the env's noisy oracle, played by the episode loop RL uses (see the
+    module docstring). `max_turns`, `max_tokens` and `system_prompt` are the agent's; the
+    same `seed` gives the same episodes."""
     if n < 0:
         raise InvalidInput("n must be >= 0", field="n")
+    loop = EpisodeLoop(
+        template,
+        Budget(max_turns=max_turns, max_tokens=max_tokens),
+        max_context=max_tokens,
+        system_prompt=system_prompt,
+    )
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         env_seed, policy_seed = rng.getrandbits(31), rng.getrandbits(31)
         policy = noisy_policy(env_id, p_oracle, policy_seed)
-        out.append(
-            await _oracle_episode(env_id, template, policy, env_seed, max_turns, system_prompt)
-        )
+        out.append(await _oracle_episode(loop, env_id, policy, env_seed))
     return out
 
 
@@ -338,6 +298,11 @@ class SftConfig(BaseModel):
         "lower leaves RL more to improve",
     )
     max_turns: int = Field(default=6, ge=1, le=1000, description="agent turn budget")
+    max_tokens: int = Field(default=512, ge=1, description="agent token budget per episode")
+    max_new_tokens: int = Field(default=16, ge=1, description="tokens per sampled turn (eval)")
+    system_prompt: str | None = Field(
+        default=None, description="the agent's system prompt, prepended when the env has none"
+    )
     epochs: float = Field(default=2.0, gt=0, le=100, description="passes over the data")
     batch_size: int = Field(
         default=32, ge=1, le=65536, description="sequences per step (small: more steps)"
@@ -384,6 +349,8 @@ def run_sft(
             p_oracle=config.p_oracle,
             seed=config.seed,
             max_turns=config.max_turns,
+            max_tokens=config.max_tokens,
+            system_prompt=config.system_prompt,
         )
     )
     data_s = time.perf_counter() - started
@@ -417,6 +384,9 @@ def run_sft(
                 temperature=1.0,
                 seed=config.seed + 1,
                 max_turns=config.max_turns,
+                max_tokens=config.max_tokens,
+                max_new_tokens=config.max_new_tokens,
+                system_prompt=config.system_prompt,
             )
         )
         metrics["eval"] = asdict(result)

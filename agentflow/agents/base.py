@@ -47,6 +47,8 @@ class EpisodeOutcome:
     reward: float | None = None
     error: str | None = None
     leaf_turn_ids: tuple[uuid.UUID, ...] | None = None  # None: every leaf of the tree
+    turns: int = 0  # env steps taken (white-box episodes)
+    success: bool = False  # the env's `info["success"]` at the end (white-box episodes)
 
 
 class Agent(Protocol):

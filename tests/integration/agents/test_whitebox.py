@@ -11,8 +11,9 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from agentflow.agents.base import Budget, EpisodeHandle
+from agentflow.agents.recorders import TurnTreeRecorder
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.agents.whitebox import WhiteBoxAgent, _Writes
+from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.db.turn_tree import TurnTree
 from agentflow.inference.base import SamplingParams
 from agentflow.inference.local import LocalEngine
@@ -223,13 +224,13 @@ async def test_a_stop_while_an_episode_ends_still_commits_its_turns(
     )
     turns = _HeldTurns(sessions, env_steps=2)
     settling = asyncio.Event()
-    settle = _Writes.settle
+    settle = TurnTreeRecorder.settle
 
-    async def marked_settle(self: _Writes) -> None:
+    async def marked_settle(self: TurnTreeRecorder) -> None:
         settling.set()
         await settle(self)
 
-    monkeypatch.setattr(_Writes, "settle", marked_settle)
+    monkeypatch.setattr(TurnTreeRecorder, "settle", marked_settle)
     turns.writes_open.clear()  # the last env turn's write waits: the end has one in flight
     if stop_at == "settling":
         engine.release.set()

@@ -1,0 +1,181 @@
+"""Where the episode loop's replies come from (`agentflow.agents.episode.ActionSource`).
+
+- `SampledActions`: the policy engine, through the run's `PolicyRuntime`. Each episode
+  has its own engine session, so each turn sends only the tokens the session has not
+  seen. While the env works the session holds no decode slot (its request has finished);
+  after `park_after_s` it is *parked*: its KV is released (`close_session`), and the next
+  turn recomputes the context from the tokens already recorded.
+- `ScriptedActions`: a scripted player (an env's oracle), its moves rendered as the
+  tokens a policy emits for them, so supervised data has exactly RL's token format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentflow.agents.episode import EnvWait, EpisodeState, Reply
+from agentflow.agents.runtime import PolicyRuntime
+from agentflow.errors import AgentFlowError, InvalidInput
+from agentflow.inference.base import GenerateRequest, SessionRef
+from agentflow.metrics import GatewayMetrics
+from agentflow.tokenization.chat import ChatTemplate
+from agentflow.tokenization.tool_calls import ToolCallStyle, render_tool_call
+from envs.base import Observation, TextAction, ToolCallsAction
+
+ScriptedPolicy = Callable[[Sequence[Observation]], Any]  # observations so far -> an action
+
+
+@dataclass
+class _Wait:
+    parked_s: float = 0.0
+
+
+class SampledActions:
+    """Replies sampled by the run's engine on one session per episode."""
+
+    def __init__(
+        self,
+        runtime: PolicyRuntime,
+        *,
+        park_after_s: float | None = 5.0,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.park_after_s = park_after_s
+        self.metrics = metrics
+        self.session_id: str | None = None
+        self.last_rid: str | None = None
+        self.parked = False
+        self.seen = 0  # context tokens the engine session holds
+
+    async def open(self) -> None:
+        self.session_id = await self.runtime.engine.open_session()
+        self.last_rid, self.parked, self.seen = None, False, 0
+
+    async def close(self) -> None:
+        if self.session_id is not None and not self.parked:
+            with contextlib.suppress(AgentFlowError):
+                await self.runtime.engine.close_session(self.session_id)
+        self.session_id = None
+
+    async def _park(self) -> None:
+        if self.session_id is not None and not self.parked:
+            await self.runtime.engine.close_session(self.session_id)
+            self.parked = True
+
+    async def reply(self, state: EpisodeState) -> Reply:
+        if self.parked:  # KV released while the env worked: recompute from the record
+            await self.open()
+        assert self.session_id is not None
+        runtime = self.runtime
+        sampling = runtime.sampling
+        params = sampling.model_copy(
+            update={"max_new_tokens": max(1, min(sampling.max_new_tokens, state.room))}
+        )
+        request = GenerateRequest(
+            input_ids=tuple(state.context[self.seen :]),
+            sampling=params,
+            rid=uuid.uuid4().hex,
+            session=SessionRef(session_id=self.session_id, parent_rid=self.last_rid),
+            routing_key=self.session_id,
+        )
+        started = time.perf_counter()
+        result = await runtime.generate(request)  # continued across weight updates
+        wall = time.perf_counter() - started
+        self.last_rid = request.rid
+        self.seen = len(state.context) + len(result.output_ids)
+        if self.metrics is not None:
+            self.metrics.generate_seconds.observe(wall)
+        queue = min(wall, float(getattr(result, "queue_s", 0.0) or 0.0))
+        return Reply(
+            output_ids=result.output_ids,
+            logprobs=result.logprobs,
+            weight_versions=result.token_versions(),
+            finish_reason=result.finish_reason,
+            timings={"queue": queue, "generate": wall - queue},
+        )
+
+    @contextlib.asynccontextmanager
+    async def waiting(self) -> AsyncIterator[EnvWait]:
+        """Park the session if the env takes longer than `park_after_s`."""
+        wait = _Wait()
+        if self.park_after_s is None:
+            yield wait
+            return
+        parked_at: list[float] = []
+
+        async def park_later() -> None:
+            await asyncio.sleep(self.park_after_s or 0.0)
+            parked_at.append(time.perf_counter())
+            if self.metrics is not None:
+                self.metrics.parked_sessions.inc()
+            await self._park()
+
+        parker = asyncio.create_task(park_later())
+        try:
+            yield wait
+        finally:
+            ended = time.perf_counter()
+            parker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await parker
+            if parked_at:
+                wait.parked_s = ended - parked_at[0]
+                if self.metrics is not None:
+                    self.metrics.parked_sessions.dec()
+
+
+class ScriptedActions:
+    """Replies of a scripted player: each move rendered as the tokens a policy emits
+    (`reply_token_ids`). Log-probs 0.0 and weight version 0: nothing sampled them."""
+
+    def __init__(self, template: ChatTemplate, policy: ScriptedPolicy) -> None:
+        self.template = template
+        self.policy = policy
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def reply(self, state: EpisodeState) -> Reply:
+        ids = reply_token_ids(self.template, self.policy(state.observations))
+        return Reply(output_ids=ids, logprobs=[0.0] * len(ids), weight_versions=[0] * len(ids))
+
+    @contextlib.asynccontextmanager
+    async def waiting(self) -> AsyncIterator[EnvWait]:
+        yield _Wait()
+
+
+def reply_token_ids(template: ChatTemplate, action: Any) -> list[int]:
+    """The tokens a policy emits for `action` (a text or tool-calls action): its text,
+    its tool calls in the template's style, then the first stop token, which is where the
+    engine ends a turn. Checked by parsing them back as the episode loop does."""
+    tok = template.tokenizer
+    style: ToolCallStyle = getattr(template, "tool_call_style", "agentflow")
+    if isinstance(action, TextAction):
+        ids, calls = tok.encode(action.text), []
+    elif isinstance(action, ToolCallsAction):
+        calls = action.calls
+        ids = []
+        for call in calls:
+            text = render_tool_call({"name": call.name, "arguments": call.arguments}, style)
+            ids += tok.encode(text, allow_special=True)
+    else:
+        raise InvalidInput(f"cannot render a {type(action).__name__} as tokens", field="action")
+    ids.append(template.stop_ids[0])
+    parsed = template.parse_assistant(ids)
+    same = [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        (c.name, c.arguments) for c in calls
+    ]
+    text = action.text.strip() if isinstance(action, TextAction) else ""
+    if not same or parsed.content != text:
+        raise InvalidInput(f"the template does not round-trip the action {action!r}")
+    return ids

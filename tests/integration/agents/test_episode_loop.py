@@ -1,0 +1,122 @@
+"""The episode loop continues a stored episode from any of its turns, as a branch."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from agentflow.agents.actions import ScriptedActions
+from agentflow.agents.base import Budget
+from agentflow.agents.episode import EpisodeLoop, ReplayMismatch
+from agentflow.agents.recorders import MemoryRecorder, TurnTreeRecorder
+from agentflow.db.turn_tree import TurnTree
+from agentflow.tokenization.chat import ByteChatTemplate
+from agentflow.types import StoredTurn, TurnRecord
+from envs import registry
+from envs.base import Observation, TextAction
+
+pytestmark = pytest.mark.integration
+
+GUESS = "agentflow/guess-number-v0"
+TASK = {"seed": 7}  # the hidden number is 11: counting up from 1 never finds it in 5 turns
+
+
+def count_up(history: Sequence[Observation]) -> TextAction:
+    return TextAction(text=str(len(history)))  # 1, 2, 3, ...
+
+
+def knows_it(history: Sequence[Observation]) -> TextAction:
+    return TextAction(text="11")
+
+
+class _Both:
+    """Records into two recorders at once."""
+
+    def __init__(self, *recorders: TurnTreeRecorder | MemoryRecorder) -> None:
+        self.recorders = recorders
+
+    async def record(self, record: TurnRecord) -> None:
+        for recorder in self.recorders:
+            await recorder.record(record)
+
+    async def settle(self) -> None:
+        for recorder in self.recorders:
+            await recorder.settle()
+
+
+def _loop() -> EpisodeLoop:
+    return EpisodeLoop(ByteChatTemplate(), Budget(max_turns=5, max_tokens=1024))
+
+
+async def _stored_episode(turns: TurnTree) -> tuple[uuid.UUID, list[StoredTurn]]:
+    episode_id = await turns.create_episode(env_ref=GUESS, task=TASK)
+    env = registry.make(GUESS)
+    loop = _loop()
+    try:
+        outcome = await loop.play(
+            env, TASK, ScriptedActions(loop.template, count_up), TurnTreeRecorder(turns, episode_id)
+        )
+    finally:
+        await env.close()
+    assert outcome.status == "truncated" and outcome.turns == 5
+    (leaf,) = await turns.leaves(episode_id)
+    return episode_id, await turns.path(leaf.id)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 5], ids=["prompt", "reply", "answer", "third-reply"])
+async def test_a_stored_episode_continues_from_any_turn_as_a_branch(
+    cut: int, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    turns = TurnTree(sessions)
+    episode_id, path = await _stored_episode(turns)
+    start = path[: cut + 1]
+    env = registry.make(GUESS)
+    loop = _loop()
+    memory = MemoryRecorder(start)
+    branch = TurnTreeRecorder(turns, episode_id, parent=start[-1].id)
+    try:
+        outcome = await loop.play(
+            env, TASK, ScriptedActions(loop.template, knows_it), _Both(branch, memory), start=start
+        )
+    finally:
+        await env.close()
+
+    # The replayed guesses count toward the turns; the branch then finds 11.
+    replayed = sum(t.kind == "policy" for t in start)
+    assert outcome.status == "completed" and outcome.success
+    assert outcome.turns > replayed
+    leaves = await turns.leaves(episode_id)
+    assert len(leaves) == 2  # the stored episode, and the branch beside it
+    new_leaf = next(leaf for leaf in leaves if leaf.id != path[-1].id)
+    new_path = await turns.path(new_leaf.id)
+    assert [t.id for t in new_path[: len(start)]] == [t.id for t in start]
+    context = await turns.context(new_leaf.id)
+    assert list(context.token_ids) == memory.token_ids  # the branch's whole context
+    assert list(context.loss_mask) == memory.loss_mask
+    made = await turns.complete_episode(episode_id, "completed", outcome.reward)
+    assert len(made) == 2
+
+
+async def test_an_env_that_answers_the_replay_differently_is_refused(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    turns = TurnTree(sessions)
+    _, path = await _stored_episode(turns)
+    env = registry.make(GUESS)
+    loop = _loop()
+    try:
+        with pytest.raises(ReplayMismatch, match="differently"):
+            # Hidden number 2: the replayed guess 1 is answered "higher" as before, guess 2
+            # is now correct instead of "higher".
+            await loop.play(
+                env,
+                {"seed": 2},
+                ScriptedActions(loop.template, count_up),
+                MemoryRecorder(),
+                start=path[:5],
+            )
+    finally:
+        await env.close()
