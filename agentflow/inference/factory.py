@@ -11,7 +11,7 @@ from pathlib import Path
 from agentflow.errors import InvalidInput
 from agentflow.inference.base import Engine
 from agentflow.modeling import MODEL_INIT_FILE
-from agentflow.run_config import LocalEngineConfig, RunConfig, SGLangEngineConfig
+from agentflow.run_config import LocalEngineConfig, RunConfig, SGLangEngineConfig, check_device
 from agentflow.tokenization import load_tokenizer
 from agentflow.tokenization.bytes import ByteTokenizer
 from agentflow.tokenization.chat import ChatTemplate, chat_template_for
@@ -24,7 +24,7 @@ def build_template(config: RunConfig) -> ChatTemplate:
     if path and not (Path(path) / "config.json").is_file():
         raise InvalidInput(
             f"no HF-format checkpoint at {path!r} (config.json missing)",
-            field=("body", "model", "path"),
+            field=("model", "path"),
         )
     if not path or _built_here(Path(path)):
         return chat_template_for(ByteTokenizer())
@@ -44,6 +44,7 @@ def build_engine(config: RunConfig) -> tuple[Engine, int]:
     if isinstance(engine_config, LocalEngineConfig):
         from agentflow.inference.local import LocalEngine
 
+        check_device(engine_config.device, ("engine", "device"))
         options = {
             "max_batch_size": engine_config.max_batch_size,
             "kv_budget_tokens": engine_config.kv_budget_tokens,
@@ -57,11 +58,7 @@ def build_engine(config: RunConfig) -> tuple[Engine, int]:
     if isinstance(engine_config, SGLangEngineConfig):
         from agentflow.inference.sglang import SGLangEngine, SGLangSettings
 
-        if not config.model.path:
-            raise InvalidInput(
-                "an sglang engine needs model.path (its tokenizer must match the server's)",
-                field=("body", "model", "path"),
-            )
+        # The config's parse already requires model.path with sglang.
         urls = [str(u).rstrip("/") for u in engine_config.urls]
         settings = SGLangSettings(
             url=urls[0],
@@ -71,4 +68,4 @@ def build_engine(config: RunConfig) -> tuple[Engine, int]:
             resubmit_aborted=config.rollout.partial_rollout,
         )
         return SGLangEngine(settings), engine_config.max_context
-    raise InvalidInput(f"unknown engine type {engine_config!r}", field=("body", "engine"))
+    raise InvalidInput(f"unknown engine type {engine_config!r}", field=("engine",))

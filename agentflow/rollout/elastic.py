@@ -1,4 +1,5 @@
-"""`ElasticPool`: how many episodes run at once, adapted to measured load (DESIGN §6).
+"""`ElasticPool`: how many episodes run at once, adapted to measured load
+(docs/architecture.md, "Asynchrony and staleness").
 
 An episode alternates between generating (it needs the engine) and waiting on its env
 (it does not). To keep the engine's batch full, the pool wants enough live episodes that,

@@ -49,6 +49,12 @@ async def resolve_env_sources(
                 query = query.where(Environment.version == version)
             env = await session.scalar(query.order_by(Environment.created_at.desc()).limit(1))
             if env is not None:
+                if entry.kwargs:
+                    raise InvalidInput(
+                        f"{entry.id!r} is a registered env: its spec fixes its arguments, "
+                        "so kwargs would be ignored",
+                        field=("envs", str(index), "kwargs"),
+                    )
                 sources.append(
                     EnvSource(
                         ref=entry.id,

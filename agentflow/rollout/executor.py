@@ -1,4 +1,5 @@
-"""`RunExecutor`: the rollout scheduler of one run (DESIGN §6).
+"""`RunExecutor`: the rollout scheduler of one run (docs/architecture.md, "Asynchrony
+and staleness").
 
 Tasks are drawn from the env mix (weighted, seeded); each task is played `group_size`
 times (one group, for group-normalized advantages). Admission, in order:
@@ -16,31 +17,37 @@ Weight updates go through `update_weights`: the run's runtime interrupts (partia
 rollout) or drains its generations, the new version is recorded, and the gate opens.
 
 Every episode ends in the database as completed, truncated, failed or aborted with its
-reason: a failing env, agent or engine fails that episode, never the run; a run whose
-episodes fail `max_consecutive_failures` times in a row is failed with the last error.
+reason: a failing env, agent, engine or reward function fails that episode, never the
+run; a run whose episodes fail `max_consecutive_failures` times in a row is failed with
+the last error.
+
+Plug-ins (`agentflow.plugins`): an env entry's `reward` function rescores its completed
+and truncated episodes before they are recorded; each of `rollout.hooks` is called once an
+episode is recorded, and one that raises is logged and counted (`hook_errors`), no more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
+import numbers
 import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Literal
-
-from sqlalchemy import String, func, insert, select, update
+from typing import Literal
 
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.db.models import Episode, Run, Trajectory, WeightVersion
+from agentflow.db.runs import RunStore
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict
 from agentflow.inference.base import WeightUpdate
+from agentflow.plugins import EpisodeEvent, RewardInput, call, load_function
 from agentflow.rollout.elastic import ElasticLimit, ElasticPool
 from agentflow.rollout.envs import EnvSource
 from agentflow.rollout.gate import StalenessGate
@@ -61,6 +68,7 @@ class RunCounters:
     last_error: str | None = None
     weight_updates: int = 0
     update_seconds: float = 0.0
+    hook_errors: int = 0
 
 
 @dataclass
@@ -82,6 +90,7 @@ class RunExecutor:
         config: RunConfig,
         *,
         turns: TurnTree,
+        runs: RunStore | None = None,
         runtime: PolicyRuntime,
         sources: list[EnvSource],
         agent: Agent,
@@ -92,13 +101,23 @@ class RunExecutor:
         self.run_id = run_id
         self.config = config
         self.turns = turns
-        self.sessions = turns.sessions
+        self.runs = runs or RunStore(turns.sessions)
         self.runtime = runtime
         self.sources = sources
         self.agent = agent
         self.gateway_url = gateway_url
         self.secret_key = secret_key
         self.on_finish = on_finish
+        # `sources` are `config.envs` resolved, in order: entry i's reward scores source i.
+        self._rewards = [
+            None if e.reward is None else load_function(e.reward, field=("envs", str(i), "reward"))
+            for i, e in enumerate(config.envs)
+        ]
+        self._hooks = [
+            (path, load_function(path, field=("rollout", "hooks", str(i))))
+            for i, path in enumerate(config.rollout.hooks)
+        ]
+        self._hooks_failed: set[str] = set()
         self.state: RunState = "running"
         self.counters = RunCounters()
         self._rng = random.Random(config.seed)
@@ -151,17 +170,8 @@ class RunExecutor:
         seconds = asyncio.get_running_loop().time() - started
         self.counters.weight_updates += 1
         self.counters.update_seconds += seconds
-        async with self.sessions.begin() as session:
-            await session.execute(update_run_version(self.run_id, version))
-            await session.execute(
-                insert(WeightVersion).values(
-                    run_id=self.run_id,
-                    version=version,
-                    uri=update.path or "inprocess",
-                    metrics={"switch_seconds": seconds},
-                    created_at=datetime.now(UTC),
-                )
-            )
+        uri = update.path or "inprocess"
+        await self.runs.record_version(self.run_id, version, uri, {"switch_seconds": seconds})
         self.weight_version = version
         if self.gate is not None:
             await self.gate.advance(version)
@@ -169,52 +179,14 @@ class RunExecutor:
 
     def trajectory_stream(self) -> DbTrajectoryStream:
         """The run's trajectory stream, wired to this scheduler's gate."""
-        rollout = self.config.rollout
-        stream = DbTrajectoryStream(
-            self.turns,
-            self.run_id,
-            group_size=rollout.group_size,
-            max_staleness=rollout.max_staleness if rollout.wait_for_trainer else None,
-            max_reuse=rollout.max_reuse,
-            stale_policy=rollout.stale_policy,
-            lease_s=rollout.lease_s,
-        )
-        stream.on_group_dropped(self.refund_group)
-        stream.on_taken(self.groups_taken)
-        return stream
-
-    async def refund_group(self) -> None:
-        """A group lost all its trajectories (dropped as stale): admit another."""
-        if self.gate is not None:
-            await self.gate.refund_group()
+        return run_stream(self.turns, self.run_id, self.config, gate=self.gate)
 
     async def _restore_version(self) -> None:
         """After a restart: the trainer's version, and the groups admitted and trained."""
-        group = func.coalesce(Episode.group_id, func.cast(Episode.id, String))
-        async with self.sessions() as session:
-            version = await session.scalar(select(Run.weight_version).where(Run.id == self.run_id))
-            admitted = await session.scalar(
-                select(func.count(func.distinct(group)))
-                .select_from(Trajectory)
-                .join(Episode, Episode.id == Trajectory.episode_id)
-                .where(Trajectory.run_id == self.run_id)
-                .where(Trajectory.status.in_(("ready", "leased", "consumed")))
-            )
-            taken = await session.scalar(
-                select(func.count(func.distinct(group)))
-                .select_from(Trajectory)
-                .join(Episode, Episode.id == Trajectory.episode_id)
-                .where(Trajectory.run_id == self.run_id)
-                .where(Trajectory.lease_id.is_not(None) | (Trajectory.times_served > 0))
-            )
-        self.weight_version = version or 0
+        point = await self.runs.restore_point(self.run_id)
+        self.weight_version = point.version
         if self.gate is not None:
-            self.gate.resume_from(self.weight_version, admitted or 0, taken or 0)
-
-    async def groups_taken(self, n: int) -> None:
-        """The trainer leased `n` fresh groups for the first time."""
-        if self.gate is not None:
-            await self.gate.groups_taken(n)
+            self.gate.resume_from(point.version, point.groups_admitted, point.groups_taken)
 
     async def _engine_slots(self) -> tuple[int, int]:
         info = await self.runtime.engine.info()
@@ -324,15 +296,30 @@ class RunExecutor:
         finally:
             self._slots.release()
             self._env_slots[source_index].release()
+        made = 0
         if episode_id is not None:
-            group.trajectories += await self._complete(episode_id, outcome)
+            outcome = await self._rescore(episode_id, source_index, task, outcome)
+            made = await self._complete(episode_id, outcome)
+            group.trajectories += made
         group.finished += 1
         await self._settle_group(group)
+        if episode_id is not None and self._hooks:
+            event = EpisodeEvent(
+                run_id=self.run_id,
+                episode_id=episode_id,
+                env=source.ref,
+                status=outcome.status,
+                reward=outcome.reward,
+                error=outcome.error,
+                trajectories=made,
+            )
+            await self._call_hooks(event)
 
     async def _settle_group(self, group: _Group) -> None:
         if group.admitted_all and group.finished == group.started and not group.trajectories:
             group.trajectories = -1  # refund once
-            await self.refund_group()
+            if self.gate is not None:
+                await self.gate.refund_group()
 
     async def _run_agent(
         self, episode_id: uuid.UUID, source: EnvSource, task: dict[str, object]
@@ -358,6 +345,56 @@ class RunExecutor:
             with contextlib.suppress(Exception):
                 await env.close()
 
+    async def _rescore(
+        self,
+        episode_id: uuid.UUID,
+        source_index: int,
+        task: dict[str, object],
+        outcome: EpisodeOutcome,
+    ) -> EpisodeOutcome:
+        """The env entry's reward function, if any, replaces a finished episode's reward;
+        one that raises or returns no finite number fails the episode, naming itself."""
+        reward_fn = self._rewards[source_index]
+        if reward_fn is None or outcome.status not in ("completed", "truncated"):
+            return outcome
+        entry = self.config.envs[source_index]
+        try:
+            leaves = outcome.leaf_turn_ids
+            if leaves is None:
+                leaves = tuple(t.id for t in await self.turns.leaves(episode_id))
+            decode = self.runtime.template.tokenizer.decode
+            texts = tuple(decode(c.token_ids) for c in await self.turns.contexts(leaves))
+            episode = RewardInput(
+                run_id=self.run_id,
+                episode_id=episode_id,
+                env=entry.id,
+                task=dict(task),
+                status=outcome.status,
+                env_reward=outcome.reward,
+                texts=texts,
+            )
+            value = await call(reward_fn, episode)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"returned {value!r}, not a finite number")
+        except Exception as exc:  # noqa: BLE001 - this episode fails, not the run
+            error = f"reward function {entry.reward}: {type(exc).__name__}: {exc}"
+            return EpisodeOutcome("failed", None, error, turns=outcome.turns)
+        return dataclasses.replace(outcome, reward=float(value))
+
+    async def _call_hooks(self, event: EpisodeEvent) -> None:
+        for path, hook in self._hooks:
+            try:
+                await call(hook, event)
+            except Exception:  # noqa: BLE001 - a hook never fails an episode or the run
+                self.counters.hook_errors += 1
+                if path not in self._hooks_failed:  # the first traceback is enough
+                    self._hooks_failed.add(path)
+                    log.exception("run %s: rollout hook %s raised", self.run_id, path)
+
     async def _complete(self, episode_id: uuid.UUID, outcome: EpisodeOutcome) -> int:
         """Record the outcome; returns how many trajectories it made."""
         counters = self.counters
@@ -378,8 +415,8 @@ class RunExecutor:
                     error=outcome.error,
                 )
             )
-        except Conflict:
-            made = await self._trajectory_count(episode_id)  # finished by a black-box callback
+        except Conflict:  # finished by a black-box callback
+            made = await self.runs.trajectory_count(episode_id)
         except Exception:  # noqa: BLE001 - logged; recovery aborts it on the next start
             log.exception("could not complete episode %s", episode_id)
         limit = self.config.rollout.max_consecutive_failures
@@ -387,15 +424,6 @@ class RunExecutor:
             reason = f"{limit} episodes failed in a row; last: {counters.last_error}"
             asyncio.get_running_loop().create_task(self._end("failed", reason))
         return made
-
-    async def _trajectory_count(self, episode_id: uuid.UUID) -> int:
-        async with self.sessions() as session:
-            count = await session.scalar(
-                select(func.count())
-                .select_from(Trajectory)
-                .where(Trajectory.episode_id == episode_id)
-            )
-        return int(count or 0)
 
     # ---- ending ---------------------------------------------------------------------
 
@@ -422,17 +450,25 @@ class RunExecutor:
             await self.on_finish(self)
 
     async def _set_status(self, status: str, *, error: str | None = None) -> None:
-        async with self.sessions.begin() as session:
-            await session.execute(
-                update(Run)
-                .where(Run.id == self.run_id)
-                .values(status=status, error=error, updated_at=datetime.now(UTC))
-            )
+        await self.runs.set_status(self.run_id, status, error=error)
 
 
-def update_run_version(run_id: uuid.UUID, version: int) -> Any:
-    return (
-        update(Run)
-        .where(Run.id == run_id)
-        .values(weight_version=version, updated_at=datetime.now(UTC))
+def run_stream(
+    turns: TurnTree,
+    run_id: uuid.UUID,
+    config: RunConfig,
+    *,
+    gate: StalenessGate | None = None,
+) -> DbTrajectoryStream:
+    """A run's trajectory stream as its config says (`gate`: its live scheduler's)."""
+    rollout = config.rollout
+    return DbTrajectoryStream(
+        turns,
+        run_id,
+        group_size=rollout.group_size,
+        max_staleness=rollout.max_staleness if rollout.wait_for_trainer else None,
+        max_reuse=rollout.max_reuse,
+        stale_policy=rollout.stale_policy,
+        lease_s=rollout.lease_s,
+        gate=gate,
     )

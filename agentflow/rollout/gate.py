@@ -1,4 +1,5 @@
-"""`StalenessGate`: how far rollout may run ahead of the trainer (DESIGN §6).
+"""`StalenessGate`: how far rollout may run ahead of the trainer (docs/architecture.md,
+"Asynchrony and staleness").
 
 The unit is a *group* (the `group_size` samples of one task, which the trainer needs
 together for group-normalized advantages). With `G` groups per trainer batch, at most

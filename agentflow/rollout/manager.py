@@ -7,10 +7,9 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from typing import cast
 
 from pydantic import ValidationError
-from sqlalchemy import select, update
 
 from agentflow.agents.base import Agent
 from agentflow.agents.blackbox.container_agent import ContainerAgent
@@ -19,16 +18,16 @@ from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
-from agentflow.db.models import Episode, Run, WeightVersion
+from agentflow.db.runs import RunStore
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict, NotFound
+from agentflow.errors import Conflict, InvalidInput
 from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
 from agentflow.metrics import GatewayMetrics
-from agentflow.rollout.envs import resolve_env_sources
-from agentflow.rollout.executor import RunExecutor
+from agentflow.plugins import load_function
+from agentflow.rollout.envs import EnvSource, resolve_env_sources
+from agentflow.rollout.executor import RunExecutor, run_stream
 from agentflow.rollout.stream import DbTrajectoryStream
-from agentflow.run_config import RunConfig
-from agentflow.types import OPEN_EPISODE_STATUSES
+from agentflow.run_config import UNLOADED, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +46,7 @@ class RunManager:
     ) -> None:
         self.turns = turns
         self.sessions = turns.sessions
+        self.runs = RunStore(turns.sessions)
         self.live_episodes = live or LiveEpisodes()
         self.metrics = metrics
         self.runtimes = runtimes
@@ -55,12 +55,35 @@ class RunManager:
         self._streams: dict[uuid.UUID, DbTrajectoryStream] = {}
         self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
 
-    async def start(self, run_id: uuid.UUID, config: RunConfig, *, paused: bool = False) -> None:
+    async def create(self, config: RunConfig, *, start: bool = True) -> uuid.UUID:
+        """Store a new run (linked to the registered envs it plays) and, with `start`,
+        start it. An env entry that resolves to nothing is refused before anything is
+        stored."""
+        sources = await resolve_env_sources(self.sessions, config.envs)
+        run_id = await self.runs.create(
+            config.name,
+            config.model_dump(mode="json"),
+            (s.environment_id for s in sources if s.environment_id is not None),
+        )
+        if start:
+            await self.start(run_id, config, sources=sources)
+        return run_id
+
+    async def start(
+        self,
+        run_id: uuid.UUID,
+        config: RunConfig,
+        *,
+        paused: bool = False,
+        sources: list[EnvSource] | None = None,
+    ) -> None:
         """Build the run's engine and start admitting episodes."""
         if run_id in self.executors:
             raise Conflict(f"run {run_id} is already live")
         try:
-            sources = await resolve_env_sources(self.sessions, config.envs)
+            if sources is None:
+                sources = await resolve_env_sources(self.sessions, config.envs)
+            agent = self._agent(config)
             runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
         except Exception as exc:
             # The run is stored: record why it never started rather than leave it pending.
@@ -71,9 +94,10 @@ class RunManager:
             run_id,
             config,
             turns=self.turns,
+            runs=self.runs,
             runtime=runtime,
             sources=sources,
-            agent=self._agent(config),
+            agent=agent,
             gateway_url=self.settings.public_url,
             secret_key=self.settings.secret_key,
             on_finish=self._finished,
@@ -82,28 +106,14 @@ class RunManager:
         self._streams[run_id] = executor.trajectory_stream()
         await executor.start(paused=paused)
 
-    def _stream_for(self, run_id: uuid.UUID, config: RunConfig) -> DbTrajectoryStream:
-        rollout = config.rollout
-        return DbTrajectoryStream(
-            self.turns,
-            run_id,
-            group_size=rollout.group_size,
-            max_staleness=rollout.max_staleness if rollout.wait_for_trainer else None,
-            max_reuse=rollout.max_reuse,
-            stale_policy=rollout.stale_policy,
-            lease_s=rollout.lease_s,
-        )
-
     async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
         """The run's trajectory stream; a finished run's stored config still serves one."""
         stream = self._streams.get(run_id)
         if stream is not None:
             return stream
-        async with self.sessions() as session:
-            stored = await session.scalar(select(Run.config).where(Run.id == run_id))
-        if stored is None:
-            raise NotFound(f"run {run_id} not found")
-        stream = self._stream_for(run_id, RunConfig.model_validate(stored))
+        stored = await self.runs.get(run_id)
+        config = RunConfig.model_validate(stored.config, context=UNLOADED)  # no plug-in runs
+        stream = run_stream(self.turns, run_id, config)
         self._streams[run_id] = stream
         return stream
 
@@ -111,13 +121,7 @@ class RunManager:
         self, run_id: uuid.UUID, version: int, metrics: dict[str, float]
     ) -> None:
         """Attach a trainer step's metrics to the weight version it produced."""
-        async with self.sessions.begin() as session:
-            await session.execute(
-                update(WeightVersion)
-                .where(WeightVersion.run_id == run_id)
-                .where(WeightVersion.version == version)
-                .values(metrics=metrics)
-            )
+        await self.runs.record_metrics(run_id, version, metrics)
 
     async def update_weights(self, run_id: uuid.UUID, update: WeightUpdate) -> int:
         """Switch a live run's engine to new weights (see `RunExecutor.update_weights`)."""
@@ -137,6 +141,8 @@ class RunManager:
             return HttpAgent(
                 str(agent.url), self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
             )
+        if agent.type == "python":
+            return _python_agent(config)
         return ContainerAgent(
             agent.command, self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
         )
@@ -160,28 +166,14 @@ class RunManager:
 
     async def recover(self) -> None:
         """After a crash: no episode stays live; runs that were live start again."""
-        now = _now()
-        async with self.sessions.begin() as session:
-            result = await session.execute(
-                update(Episode)
-                .where(Episode.status.in_(OPEN_EPISODE_STATUSES))
-                .values(status="aborted", error=RESTART_REASON, finished_at=now)
-            )
-            aborted = getattr(result, "rowcount", 0)
-            runs = (
-                await session.execute(
-                    select(Run.id, Run.config, Run.status).where(
-                        Run.status.in_(("running", "paused"))
-                    )
-                )
-            ).all()
+        aborted, runs = await self.runs.recover(RESTART_REASON)
         if aborted:
             log.warning("recovery: aborted %d live episodes", aborted)
-        for run_id, config, status in runs:
+        for run in runs:
             # In the background: the gateway serves while engines load.
-            restart = asyncio.create_task(self._restart(run_id, config, status == "paused"))
-            self._restarting[run_id] = restart
-            restart.add_done_callback(self._forget_restart(run_id))
+            restart = asyncio.create_task(self._restart(run.id, run.config, run.status == "paused"))
+            self._restarting[run.id] = restart
+            restart.add_done_callback(self._forget_restart(run.id))
 
     def _forget_restart(self, run_id: uuid.UUID) -> Callable[[asyncio.Task[None]], None]:
         def forget(_: asyncio.Task[None]) -> None:
@@ -201,12 +193,7 @@ class RunManager:
             log.exception("recovery: run %s could not restart", run_id)
 
     async def _mark_failed(self, run_id: uuid.UUID, error: str) -> None:
-        async with self.sessions.begin() as session:
-            await session.execute(
-                update(Run)
-                .where(Run.id == run_id)
-                .values(status="failed", error=error, updated_at=_now())
-            )
+        await self.runs.fail(run_id, error)
 
     async def shutdown(self) -> None:
         """Stop admitting and abort live episodes; runs keep their status for a restart."""
@@ -220,6 +207,27 @@ class RunManager:
             self.runtimes.remove(run_id)
             with contextlib.suppress(Exception):
                 await runtime.engine.close()
+
+
+def _python_agent(config: RunConfig) -> Agent:
+    """`agent.entry_point`'s factory, called with the agent config once per run."""
+    path = config.agent.entry_point
+    assert path is not None  # the config validator requires it
+    field = ("agent", "entry_point")
+    factory = load_function(path, field=field)
+    try:
+        agent = factory(config.agent)
+    except Exception as exc:  # noqa: BLE001 - the run does not start, naming the field
+        raise InvalidInput(
+            f"agent factory {path}: {type(exc).__name__}: {exc}", field=field
+        ) from exc
+    if not callable(getattr(agent, "run", None)):
+        raise InvalidInput(
+            f"agent factory {path} returned an instance of {type(agent).__name__!r}, "
+            "which has no async run(episode) method",
+            field=field,
+        )
+    return cast(Agent, agent)
 
 
 def _build_runtime(config: RunConfig) -> PolicyRuntime:
@@ -241,7 +249,3 @@ def _build_runtime(config: RunConfig) -> PolicyRuntime:
         partial_rollout=config.rollout.partial_rollout,
         interrupt=PauseMode(config.rollout.interrupt),
     )
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)

@@ -1,4 +1,5 @@
-"""The trajectory stream (DESIGN §4): how completed trajectories reach the trainer.
+"""The trajectory stream (docs/architecture.md, "Protocols"): how completed trajectories
+reach the trainer.
 
 The database is the source of truth, so nothing is lost when either side dies:
 - `pull(max_n, timeout)` leases up to `max_n` trajectories for `lease_s`: whole groups
@@ -38,6 +39,7 @@ from agentflow.db.models import Episode, Run
 from agentflow.db.models import Trajectory as TrajectoryRow
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import AgentFlowError, Conflict, InvalidInput, NotFound
+from agentflow.rollout.gate import StalenessGate
 from agentflow.types import OPEN_EPISODE_STATUSES, Trajectory
 
 _trajectories = cast(Table, TrajectoryRow.__table__)
@@ -83,7 +85,11 @@ class DbTrajectoryStream:
         stale_policy: StalePolicy = "drop",
         lease_s: float = 600.0,
         poll_s: float = 0.5,
+        gate: StalenessGate | None = None,
     ) -> None:
+        """`gate`: the run scheduler's staleness gate, told of every group a pull hands
+        out for the first time, and of every group whose trajectories were all dropped
+        as stale (so it admits another)."""
         if max_reuse < 1:
             raise InvalidInput("max_reuse must be >= 1", field="max_reuse")
         self.turns = turns
@@ -95,16 +101,7 @@ class DbTrajectoryStream:
         self.lease_s = lease_s
         self.poll_s = poll_s
         self.counters = StreamCounters()
-        self._on_group_dropped: list[Any] = []
-        self._on_taken: list[Any] = []
-
-    def on_taken(self, callback: Any) -> None:
-        """`await callback(n)` when a pull hands out `n` groups never leased before."""
-        self._on_taken.append(callback)
-
-    def on_group_dropped(self, callback: Any) -> None:
-        """`await callback()` once per group whose every trajectory was dropped as stale."""
-        self._on_group_dropped.append(callback)
+        self.gate = gate
 
     # ---- pull -----------------------------------------------------------------------
 
@@ -164,14 +161,13 @@ class DbTrajectoryStream:
                             lease_until=now + timedelta(seconds=self.lease_s),
                         )
                     )
-        for _ in range(dropped_groups):
-            for callback in self._on_group_dropped:
-                await callback()
         # Groups taken for the first time (an expired or reclaimed lease keeps its id).
         taken = {row.group_id or row.id for row in chosen[:n_fresh] if row.lease_id is None}
-        if taken:
-            for callback in self._on_taken:
-                await callback(len(taken))
+        if self.gate is not None:
+            for _ in range(dropped_groups):
+                await self.gate.refund_group()
+            if taken:
+                await self.gate.groups_taken(len(taken))
         if not chosen:
             return []
         views = await self.turns.trajectories([row.id for row in chosen])

@@ -8,12 +8,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, status
 from sqlalchemy import func, select
 
-from agentflow.api.deps import RunManagerDep, SessionDep, SessionMakerDep
+from agentflow.api.deps import RunManagerDep, SessionDep
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
-from agentflow.db.models import Episode, Run, RunEnvironment, WeightVersion
+from agentflow.db.models import Episode, Run
 from agentflow.errors import InvalidInput, NotFound
-from agentflow.rollout.envs import resolve_env_sources
 from agentflow.run_config import RunConfig
 from agentflow.types import EpisodeStatus
 
@@ -31,24 +30,21 @@ async def _get(session: SessionDep, run_id: uuid.UUID) -> Run:
 async def create_run(
     config: RunConfig,
     session: SessionDep,
-    maker: SessionMakerDep,
     manager: RunManagerDep,
     start: Annotated[bool, Query(description="start playing episodes now")] = True,
 ) -> Run:
+    if config.warm_start.enabled:
+        # The gateway plays a run; only `agentflow train` runs the warm start first.
+        raise InvalidInput(
+            "the gateway does not run a warm start: run `agentflow sft` and set model.path "
+            "to its output",
+            field=("body", "warm_start", "enabled"),
+        )
     try:
-        sources = await resolve_env_sources(maker, config.envs)
+        run_id = await manager.create(config, start=start)
     except InvalidInput as exc:
         raise InvalidInput(exc.message, field=("body", *exc.field)) from None
-    run = Run(name=config.name, config=config.model_dump(mode="json"), status="pending")
-    session.add(run)
-    await session.flush()
-    linked = {s.environment_id for s in sources if s.environment_id is not None}
-    session.add_all(RunEnvironment(run_id=run.id, environment_id=e) for e in linked)
-    await session.commit()
-    if start:
-        await manager.start(run.id, config)
-        await session.refresh(run)
-    return run
+    return await _get(session, run_id)
 
 
 @router.get("", response_model=Page[RunPublic])
@@ -122,21 +118,17 @@ async def _fresh(session: SessionDep, run_id: uuid.UUID) -> Run:
 
 
 @router.get("/{run_id}/metrics")
-async def run_metrics(run_id: uuid.UUID, session: SessionDep) -> dict[str, Any]:
+async def run_metrics(
+    run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep
+) -> dict[str, Any]:
     """The trainer's metrics per weight version (one per step), oldest first."""
     run = await _get(session, run_id)
-    rows = (
-        await session.execute(
-            select(WeightVersion)
-            .where(WeightVersion.run_id == run_id)
-            .order_by(WeightVersion.version)
-        )
-    ).scalars()
+    versions = await manager.runs.versions(run_id)
     return {
         "run_id": str(run_id),
         "weight_version": run.weight_version,
         "versions": [
             {"version": w.version, "created_at": w.created_at, "uri": w.uri, "metrics": w.metrics}
-            for w in rows
+            for w in versions
         ],
     }

@@ -12,6 +12,7 @@ import pytest
 
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import InvalidInput
+from agentflow.rollout.gate import StalenessGate
 from agentflow.rollout.stream import DbTrajectoryStream
 from tests.integration.rollout.stream_fixtures import (
     finished_group,
@@ -125,17 +126,13 @@ async def test_staleness_bound_drops_or_downweights(turn_tree: TurnTree) -> None
     stale = await finished_group(turn_tree, run, 2, version=0)
     ok = await finished_group(turn_tree, run, 2, version=2)
     await set_version(turn_tree, run, 4)
-    dropped: list[int] = []
-
-    async def refund() -> None:
-        dropped.append(1)
-
+    gate = StalenessGate(max_staleness=2, batch_episodes=2, group_size=2)
     stream = _stream(turn_tree, run, max_staleness=2)
-    stream.on_group_dropped(refund)
+    stream.gate = gate
     batch = await stream.pull(10)
     assert {t.group_id for t in batch} == {ok}
     assert all(t.staleness(4) <= 2 for t in batch)  # no served token older than the bound
-    assert stream.counters.dropped_stale == 2 and dropped == [1]
+    assert stream.counters.dropped_stale == 2 and gate.refunded == 1  # one group refunded
     assert stream.counters.staleness == Counter({2: 2})
 
     run2 = await make_run(turn_tree, version=4)

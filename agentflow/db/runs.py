@@ -1,0 +1,178 @@
+"""`RunStore`: the one home of a run's stored state (docs/architecture.md, "Data model").
+
+Creating a run (and linking the registered envs it plays), its status, its weight
+versions and their metrics, what a restart restores (the version and the groups already
+admitted and trained), and crash recovery (no episode stays live after a restart). The
+scheduler, the run manager, the embedded trainer and the REST routes all go through it,
+so a run's rows change in one way only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import String, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from agentflow.db.models import Episode, Run, RunEnvironment, Trajectory, WeightVersion
+from agentflow.errors import NotFound
+from agentflow.types import OPEN_EPISODE_STATUSES
+
+LIVE_RUN_STATUSES = ("running", "paused")
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """Where a restarted run's scheduler resumes: the trainer's version, the groups that
+    have made trajectories, and how many of those the trainer has leased."""
+
+    version: int
+    groups_admitted: int
+    groups_taken: int
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    id: uuid.UUID
+    name: str
+    status: str
+    config: dict[str, Any]
+    weight_version: int
+
+
+class RunStore:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self.sessions = sessions
+
+    async def create(
+        self, name: str, config: dict[str, Any], environment_ids: Iterable[uuid.UUID] = ()
+    ) -> uuid.UUID:
+        """A new pending run, linked to the registered envs it plays."""
+        async with self.sessions.begin() as session:
+            run = Run(name=name, config=config, status="pending")
+            session.add(run)
+            await session.flush()
+            session.add_all(
+                RunEnvironment(run_id=run.id, environment_id=e) for e in set(environment_ids)
+            )
+            return run.id
+
+    async def get(self, run_id: uuid.UUID) -> StoredRun:
+        async with self.sessions() as session:
+            run = await session.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"run {run_id} not found")
+            return _stored(run)
+
+    async def latest(self, name: str) -> StoredRun | None:
+        """The newest run of this name, if any."""
+        async with self.sessions() as session:
+            run = await session.scalar(
+                select(Run).where(Run.name == name).order_by(Run.created_at.desc()).limit(1)
+            )
+            return None if run is None else _stored(run)
+
+    async def set_status(self, run_id: uuid.UUID, status: str, *, error: str | None = None) -> None:
+        async with self.sessions.begin() as session:
+            await session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(status=status, error=error, updated_at=_now())
+            )
+
+    async def fail(self, run_id: uuid.UUID, error: str) -> None:
+        await self.set_status(run_id, "failed", error=error)
+
+    # ---- weight versions ------------------------------------------------------------
+
+    async def record_version(
+        self, run_id: uuid.UUID, version: int, uri: str, metrics: dict[str, Any]
+    ) -> None:
+        """The run's engines now serve `version` (published at `uri`)."""
+        async with self.sessions.begin() as session:
+            await session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(weight_version=version, updated_at=_now())
+            )
+            await session.execute(
+                insert(WeightVersion).values(
+                    run_id=run_id, version=version, uri=uri, metrics=metrics, created_at=_now()
+                )
+            )
+
+    async def record_metrics(
+        self, run_id: uuid.UUID, version: int, metrics: dict[str, Any]
+    ) -> None:
+        """Attach a trainer step's metrics to the weight version it produced."""
+        async with self.sessions.begin() as session:
+            await session.execute(
+                update(WeightVersion)
+                .where(WeightVersion.run_id == run_id)
+                .where(WeightVersion.version == version)
+                .values(metrics=metrics)
+            )
+
+    async def versions(self, run_id: uuid.UUID) -> list[WeightVersion]:
+        """The run's weight versions, oldest first."""
+        async with self.sessions() as session:
+            rows = await session.scalars(
+                select(WeightVersion)
+                .where(WeightVersion.run_id == run_id)
+                .order_by(WeightVersion.version)
+            )
+            return list(rows)
+
+    # ---- restarts -------------------------------------------------------------------
+
+    async def restore_point(self, run_id: uuid.UUID) -> RestorePoint:
+        group = func.coalesce(Episode.group_id, func.cast(Episode.id, String))
+        groups = (
+            select(func.count(func.distinct(group)))
+            .select_from(Trajectory)
+            .join(Episode, Episode.id == Trajectory.episode_id)
+            .where(Trajectory.run_id == run_id)
+        )
+        async with self.sessions() as session:
+            version = await session.scalar(select(Run.weight_version).where(Run.id == run_id))
+            admitted = await session.scalar(
+                groups.where(Trajectory.status.in_(("ready", "leased", "consumed")))
+            )
+            taken = await session.scalar(
+                groups.where(Trajectory.lease_id.is_not(None) | (Trajectory.times_served > 0))
+            )
+        return RestorePoint(version or 0, admitted or 0, taken or 0)
+
+    async def recover(self, reason: str) -> tuple[int, list[StoredRun]]:
+        """After a crash: every live episode is aborted with `reason`; returns how many,
+        and the runs that were live (to start again)."""
+        async with self.sessions.begin() as session:
+            result = await session.execute(
+                update(Episode)
+                .where(Episode.status.in_(OPEN_EPISODE_STATUSES))
+                .values(status="aborted", error=reason, finished_at=_now())
+            )
+            aborted = int(getattr(result, "rowcount", 0) or 0)
+            runs = await session.scalars(select(Run).where(Run.status.in_(LIVE_RUN_STATUSES)))
+            return aborted, [_stored(run) for run in runs]
+
+    async def trajectory_count(self, episode_id: uuid.UUID) -> int:
+        async with self.sessions() as session:
+            count = await session.scalar(
+                select(func.count())
+                .select_from(Trajectory)
+                .where(Trajectory.episode_id == episode_id)
+            )
+        return int(count or 0)
+
+
+def _stored(run: Run) -> StoredRun:
+    return StoredRun(run.id, run.name, run.status, dict(run.config), run.weight_version)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
