@@ -15,75 +15,36 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
-import uuid
+from pathlib import Path
 
 from scripted_env import DelayEnv  # bench/ is on sys.path when run as a script
 
 from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.agents.whitebox import WhiteBoxAgent
-from agentflow.db.scratch import DEFAULT_ADMIN_URL, scratch_database
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
-from agentflow.inference.base import (
-    EngineInfo,
-    GenerateRequest,
-    GenerateResult,
-    PauseMode,
-    SamplingParams,
-    SessionRef,
-    VersionSpan,
-    WeightUpdate,
-)
+from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef
 from agentflow.tokenization.chat import ByteChatTemplate
 from envs.base import TextAction
+
+# Run as a script, only bench/ is on sys.path: `tests` imports from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.engine import MockEngine  # noqa: E402
+from tests.support.scratch_db import DEFAULT_ADMIN_URL, scratch_database  # noqa: E402
 
 TEMPLATE = ByteChatTemplate()
 REPLY = TEMPLATE.tokenizer.encode("guess 8") + [TEMPLATE.tokenizer.end_id]
 
 
-class InstantEngine:
+def instant_engine() -> MockEngine:
     """Answers every request at once with the same short reply (no model)."""
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        n = len(REPLY)
-        return GenerateResult(
-            rid=req.rid,
-            output_ids=list(REPLY),
-            logprobs=[-0.5] * n,
-            finish_reason="stop",
-            weight_versions=[VersionSpan(version=0, start=0, end=n)],
-            prompt_tokens=len(req.input_ids),
-            cached_tokens=0,
-        )
-
-    async def open_session(self, session_id: str | None = None) -> str:
-        return session_id or uuid.uuid4().hex
-
-    async def close_session(self, session_id: str) -> None:
-        return None
-
-    async def abort(self, rid: str) -> None:
-        return None
-
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        return None
-
-    async def resume(self) -> None:
-        return None
-
-    async def update_weights(self, update: WeightUpdate) -> int:
-        return 0
-
-    async def info(self) -> EngineInfo:
-        return EngineInfo(model="instant", vocab_size=300, max_context=1 << 20, weight_version=0)
-
-    async def close(self) -> None:
-        return None
+    return MockEngine(lambda request, engine: REPLY, logprob=-0.5, max_context=1 << 20)
 
 
-async def direct_episode(engine: InstantEngine, turns: int) -> list[float]:
+async def direct_episode(engine: MockEngine, turns: int) -> list[float]:
     """The same work without the gateway: engine and env called in a bare loop."""
     env = DelayEnv(0.0, turns)
     first = await env.reset()
@@ -132,7 +93,7 @@ def _pct(values: list[float], q: float) -> float:
 async def bench(url: str, args: argparse.Namespace) -> None:
     db = create_engine(url)
     store = TurnTree(session_factory(db))
-    engine = InstantEngine()
+    engine = instant_engine()
     runtime = PolicyRuntime(engine, TEMPLATE, sampling=SamplingParams(max_new_tokens=16))
 
     direct: list[float] = []

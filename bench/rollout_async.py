@@ -1,4 +1,5 @@
-"""How much does asynchronous rollout buy over a synchronous schedule (DESIGN §6)?
+"""How much does asynchronous rollout buy over a synchronous schedule
+(docs/architecture.md, "Asynchrony and staleness")?
 
 One workload, four schedules, in one run. The workload: multi-turn episodes of
 `agentflow/latency-model-v0` (2-6 turns, long-tailed env waits) played by the white-box
@@ -34,6 +35,7 @@ import asyncio
 import contextlib
 import os
 import re
+import sys
 import tempfile
 import time
 import uuid
@@ -50,11 +52,9 @@ from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.db import migrate
 from agentflow.db.models import Run
 from agentflow.db.models import Trajectory as TrajectoryRow
-from agentflow.db.scratch import scratch_database
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
-from agentflow.inference.latency_model import LatencyModelConfig, LatencyModelEngine
 from agentflow.rollout.envs import resolve_env_sources
 from agentflow.rollout.executor import RunExecutor
 from agentflow.rollout.stream import DbTrajectoryStream
@@ -66,6 +66,12 @@ from agentflow.run_config import (
     TrainerConfig,
 )
 from agentflow.tokenization.chat import ByteChatTemplate
+
+# Run as a script, only bench/ is on sys.path: `bench` and `tests` import from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.latency_engine import LatencyModelConfig, LatencyModelEngine  # noqa: E402
+from bench.latency_env import ENV_ID, register  # noqa: E402
+from tests.support.scratch_db import scratch_database  # noqa: E402
 
 SCHEDULES: dict[str, dict[str, Any]] = {
     "synchronous": {"max_staleness": 0, "partial_rollout": False, "max_reuse": 1},
@@ -183,9 +189,7 @@ async def measure(args: argparse.Namespace, url: str, name: str) -> Measured:
     config = RunConfig(
         name="bench-" + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-"),
         seed=0,
-        envs=[
-            EnvEntry(id="agentflow/latency-model-v0", kwargs=env_kwargs(args), max_concurrency=1024)
-        ],
+        envs=[EnvEntry(id=ENV_ID, kwargs=env_kwargs(args), max_concurrency=1024)],
         agent=AgentConfig(max_turns=8, max_tokens=8192, max_new_tokens=512),
         rollout=RolloutConfig(
             group_size=args.group, max_concurrency=1024, **{**SCHEDULES, **EXTRA_SCHEDULES}[name]
@@ -296,6 +300,7 @@ def main() -> None:
         "--only", nargs="*", choices=[*SCHEDULES, *EXTRA_SCHEDULES], help="a subset"
     )
     args = parser.parse_args()
+    register()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; db {args.db}")
     results: dict[str, Measured] = {}
     for name in args.only or list(SCHEDULES):

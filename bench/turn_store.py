@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import random
+import sys
 import tempfile
 import time
 import uuid
@@ -36,10 +37,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from agentflow.db import migrate
 from agentflow.db.models import Turn
 from agentflow.db.packing import pack_floats, pack_ints, pack_mask
-from agentflow.db.scratch import scratch_database
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.types import NewTurn, TurnRecord
+
+# Run as a script, only bench/ is on sys.path: `tests` imports from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.scratch_db import scratch_database  # noqa: E402
 
 TURNS_PER_EPISODE = 20  # a 17-turn main line plus a 3-turn branch from a random turn
 MAIN_LINE = 17

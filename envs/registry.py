@@ -219,7 +219,6 @@ def _register_builtins() -> None:
             oracle=f"envs.builtin.{oracle_path}",
             replace=True,
         )
-    register("agentflow/latency-model-v0", "envs.latency_model:LatencyModelEnv", replace=True)
     # Adapters to other suites: imported (with their suite) only when made.
     adapters = (
         ("gymnasium/FrozenLake-v1", "gym_text:frozen_lake"),

@@ -44,8 +44,6 @@ from agentflow.inference.base import (
 from agentflow.inference.sglang_http import RetryPolicy, call, expect_dict, expect_success
 from agentflow.inference.sglang_router import RouterWorkers
 
-ROUTING_KEY_HEADER = "x-smg-routing-key"
-
 
 class SGLangSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -134,7 +132,7 @@ class SGLangEngine:
         return result
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
-        headers = {ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
+        headers = {wire.ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
         answer = await call(
             self._client,
             "POST",
@@ -198,17 +196,16 @@ class SGLangEngine:
 
     async def open_session(self, session_id: str | None = None) -> str:
         # Name it here: each worker must hold the session under the same id.
-        body: dict[str, Any] = {
-            "capacity_of_str_len": self.settings.session_capacity,
-            "session_id": session_id or uuid.uuid4().hex,
-        }
+        body = wire.open_session_body(
+            self.settings.session_capacity, session_id or uuid.uuid4().hex
+        )
         answers = await self._broadcast("/open_session", body)
         if len({str(a) for a in answers}) != 1 or not isinstance(answers[0], str):
             raise EngineUnavailable(f"workers answered /open_session with {answers!r}")
         return answers[0]
 
     async def close_session(self, session_id: str) -> None:
-        await self._broadcast("/close_session", {"session_id": session_id})
+        await self._broadcast("/close_session", wire.close_session_body(session_id))
 
     async def abort(self, rid: str) -> None:
         if rid in self._in_flight:

@@ -3,6 +3,12 @@
 Pinned to 0.5.23 because routes and fields moved between releases. The server runs with
 `--skip-tokenizer-init` semantics: we send `input_ids`, never text, and read `output_ids`.
 
+This module is the one place that knows SGLang's request schema: the body models below
+name every field this client sends, with SGLang's defaults and bounds, and the tables
+list every other key 0.5.23 accepts. The client builds its bodies from the models, so it
+cannot send a key SGLang does not know; the test suite's mock worker enforces the same
+models and tables.
+
 - `sampling_params` is strict on the server (an unknown key is a 400), so we send only keys
   0.5.23 knows: `temperature`, `top_p`, `max_new_tokens`, `stop_token_ids`,
   `sampling_seed`.
@@ -15,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from agentflow.errors import EngineError
 from agentflow.inference.base import (
     FinishReason,
@@ -23,35 +31,233 @@ from agentflow.inference.base import (
     VersionSpan,
 )
 
+SGLANG_VERSION = "0.5.23"
 DEFAULT_WEIGHT_VERSION = "default"
+# sglang-router 0.3.2 (`--policy manual`): requests with one key reach one worker.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
+
+# ---- SGLang 0.5.23's request schema ----------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParamsBody(_Body):
+    """The `sampling_params` keys this client sends."""
+
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop_token_ids: list[int] | None = None
+    sampling_seed: int | None = None
+
+
+# SGLang's other `sampling_params` keys, which change what is generated: their defaults.
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "stop": None,
+    "stop_regex": None,
+    "min_new_tokens": 0,
+    "n": 1,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "logit_bias": None,
+}
+# ...and the ones that shape text only (no text is produced without a tokenizer).
+SAMPLING_TEXT_ONLY = frozenset(
+    {
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "ignore_eos",
+        "stream_interval",
+    }
+)
+
+
+class SessionParamsBody(_Body):
+    """`session_params`: continue session `id` from request `rid` (its context cut to
+    `offset`)."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = Field(default=None, ge=0)
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+class GenerateBody(_Body):
+    """The `/generate` keys this client sends."""
+
+    input_ids: list[int]
+    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    session_params: SessionParamsBody | None = None
+
+
+# SGLang's other top-level `/generate` keys that change the answer: their defaults.
+# sglang-router 0.3.2 re-serializes bodies and always sends `model`, `stream`,
+# `log_metrics`, `return_text_in_logprobs`, `return_hidden_states`, `background`,
+# `no_logs`, `return_bytes`, `return_entropy` with their defaults.
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "text": None,
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "top_logprobs_num": None,
+    "token_ids_logprob": None,
+    "stream": False,
+    "return_hidden_states": False,
+    "return_entropy": False,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "background": False,
+    "return_bytes": False,
+}
+# ...and the ones that do not change the ids and log-probs that come back.
+GENERATE_INERT = frozenset(
+    {
+        "model",
+        "log_metrics",
+        "return_text_in_logprobs",
+        "no_logs",
+        "modalities",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "data_parallel_rank",
+        "conversation_id",
+        "priority",
+        "extra_key",
+        "custom_labels",
+    }
+)
+
+
+class OpenSessionBody(_Body):
+    capacity_of_str_len: int = Field(ge=1)
+    session_id: str | None = None
+    timeout: float | None = None
+
+
+class CloseSessionBody(_Body):
+    session_id: str
+
+
+class UpdateWeightsFromDiskBody(_Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+
+
+class InitWeightsUpdateGroupBody(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+    @model_validator(mode="after")
+    def _trainer_is_rank_0(self) -> InitWeightsUpdateGroupBody:
+        if not 0 < self.rank_offset < self.world_size:
+            raise ValueError("rank_offset must be in (0, world_size): the trainer is rank 0")
+        return self
+
+
+class UpdateWeightsFromDistributedBody(_Body):
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateWeightsFromDistributedBody:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must be of equal length")
+        return self
+
+
+class UpdateWeightsFromTensorBody(_Body):
+    serialized_named_tensors: list[str | bytes] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+def _dump(body: BaseModel) -> dict[str, Any]:
+    """The fields the caller gave, as JSON-ready data: defaults are left to the server."""
+    return body.model_dump(exclude_unset=True)
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+# ---- our requests to bodies ------------------------------------------------------------
 
 
 def generate_body(req: GenerateRequest) -> dict[str, Any]:
     """The `/generate` body for one request; log-probs always, of the output tokens only."""
     s = req.sampling
-    sampling: dict[str, Any] = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "max_new_tokens": s.max_new_tokens,
-        "stop_token_ids": list(s.stop_token_ids),
-    }
-    if s.seed is not None:
-        sampling["sampling_seed"] = s.seed
-    body: dict[str, Any] = {
-        "input_ids": list(req.input_ids),
-        "sampling_params": sampling,
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "rid": req.rid,
-    }
+    session = None
     if req.session is not None:
-        session: dict[str, Any] = {"id": req.session.session_id}
-        if req.session.parent_rid is not None:
-            session["rid"] = req.session.parent_rid
-        if req.session.offset is not None:
-            session["offset"] = req.session.offset
-        body["session_params"] = session
-    return body
+        session = SessionParamsBody(
+            id=req.session.session_id,
+            **_given(rid=req.session.parent_rid, offset=req.session.offset),
+        )
+    body = GenerateBody(
+        input_ids=list(req.input_ids),
+        sampling_params=SamplingParamsBody(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            **_given(sampling_seed=s.seed),
+        ),
+        return_logprob=True,
+        logprob_start_len=-1,
+        rid=req.rid,
+        **_given(session_params=session),
+    )
+    return _dump(body)
+
+
+def open_session_body(capacity: int, session_id: str) -> dict[str, Any]:
+    return _dump(OpenSessionBody(capacity_of_str_len=capacity, session_id=session_id))
+
+
+def close_session_body(session_id: str) -> dict[str, Any]:
+    return _dump(CloseSessionBody(session_id=session_id))
+
+
+# ---- weight versions and answers -------------------------------------------------------
 
 
 def version_to_wire(version: int) -> str:
@@ -172,7 +378,9 @@ def stitch(first: GenerateResult, more: GenerateResult) -> GenerateResult:
 
 
 def disk_update_body(model_path: str, version: int) -> dict[str, Any]:
-    return {"model_path": model_path, "weight_version": version_to_wire(version)}
+    return _dump(
+        UpdateWeightsFromDiskBody(model_path=model_path, weight_version=version_to_wire(version))
+    )
 
 
 def distributed_group_body(
@@ -184,16 +392,16 @@ def distributed_group_body(
     group_name: str,
     backend: str = "nccl",
 ) -> dict[str, Any]:
-    if not 0 < rank_offset < world_size:
-        raise ValueError("rank_offset must be in (0, world_size): the trainer is rank 0")
-    return {
-        "master_address": master_address,
-        "master_port": master_port,
-        "rank_offset": rank_offset,
-        "world_size": world_size,
-        "group_name": group_name,
-        "backend": backend,
-    }
+    return _dump(
+        InitWeightsUpdateGroupBody(
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+    )
 
 
 def distributed_update_body(
@@ -206,19 +414,17 @@ def distributed_update_body(
     flush_cache: bool = True,
     load_format: str | None = None,
 ) -> dict[str, Any]:
-    if not (len(names) == len(dtypes) == len(shapes)) or not names:
-        raise ValueError("names, dtypes and shapes must be non-empty and of equal length")
-    body: dict[str, Any] = {
-        "names": list(names),
-        "dtypes": [d.removeprefix("torch.") for d in dtypes],
-        "shapes": [list(s) for s in shapes],
-        "group_name": group_name,
-        "flush_cache": flush_cache,
-        "weight_version": version_to_wire(version),
-    }
-    if load_format is not None:
-        body["load_format"] = load_format
-    return body
+    return _dump(
+        UpdateWeightsFromDistributedBody(
+            names=list(names),
+            dtypes=[d.removeprefix("torch.") for d in dtypes],
+            shapes=[list(s) for s in shapes],
+            group_name=group_name,
+            flush_cache=flush_cache,
+            weight_version=version_to_wire(version),
+            **_given(load_format=load_format),
+        )
+    )
 
 
 def tensor_update_body(
@@ -232,13 +438,11 @@ def tensor_update_body(
 
     The payloads are CUDA IPC handles (same node only), serialized by the trainer.
     """
-    if not serialized_named_tensors:
-        raise ValueError("serialized_named_tensors must hold one payload per TP rank")
-    body: dict[str, Any] = {
-        "serialized_named_tensors": list(serialized_named_tensors),
-        "flush_cache": flush_cache,
-        "weight_version": version_to_wire(version),
-    }
-    if load_format is not None:
-        body["load_format"] = load_format
-    return body
+    return _dump(
+        UpdateWeightsFromTensorBody(
+            serialized_named_tensors=list(serialized_named_tensors),
+            flush_cache=flush_cache,
+            weight_version=version_to_wire(version),
+            **_given(load_format=load_format),
+        )
+    )

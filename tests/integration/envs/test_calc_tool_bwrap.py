@@ -8,7 +8,7 @@ import pytest
 from envs import registry
 from envs.base import TextAction, ToolCall, ToolCallsAction
 from envs.builtin.calc_tool import CalcToolEnv
-from envs.play import play_episode
+from tests.support.play import play_episode
 
 pytestmark = [
     pytest.mark.integration,

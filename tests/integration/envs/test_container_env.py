@@ -5,9 +5,9 @@ from urllib.parse import urlparse
 import pytest
 
 from envs import registry
-from envs.play import play_episode
 from envs.server import create_app
 from envs.specs import parse_spec
+from tests.support.play import play_episode
 from tests.unit.envs.fakes import RecordingDockerClient
 
 pytestmark = pytest.mark.integration

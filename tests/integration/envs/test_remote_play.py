@@ -16,9 +16,9 @@ import pytest
 from envs import registry
 from envs.base import EpisodeFinished, InvalidAction, StepTimeout, TextAction, UnknownEnv
 from envs.client import RemoteEnv
-from envs.play import play_episode
 from envs.server import create_app
 from envs.sessions import EnvFactory
+from tests.support.play import play_episode
 from tests.unit.envs.fakes import CountingEnv, HangingEnv, RaisingEnv
 
 pytestmark = pytest.mark.integration

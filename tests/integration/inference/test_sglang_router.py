@@ -31,9 +31,9 @@ from agentflow.inference.base import (
     SessionRef,
     WeightUpdate,
 )
-from agentflow.inference.mock_sglang import WorkerState, create_mock_worker
 from agentflow.inference.sglang import SGLangEngine, SGLangSettings
 from agentflow.inference.sglang_router import RouterWorkers
+from tests.support.mock_sglang import WorkerState, create_mock_worker
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from envs.base import (
 from envs.builtin.calc_tool import CalcToolEnv
 from envs.builtin.guess_number import GuessNumberEnv
 from envs.builtin.lookup import NAMES, PETS, LookupEnv
-from envs.play import play_episode
+from tests.support.play import play_episode
 from tests.unit.envs.fakes import SubprocessSandbox
 
 SEEDS = range(40)

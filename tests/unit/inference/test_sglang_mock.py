@@ -1,13 +1,17 @@
 """The mock SGLang worker: 0.5.23's schema and answer shapes, and SGLangEngine against it.
 
-The worker runs in process (httpx.ASGITransport) over a deterministic fake engine; the
-integration tests run it with the real LocalEngine behind the real router.
+The worker runs in process (httpx.ASGITransport) over a deterministic `MockEngine`: the
+next token depends only on the previous token and the weight version, so a request
+continued from `input_ids + partial output` produces exactly what an uninterrupted request
+would, and stitching can be checked token for token. Each token takes a few ms so a pause
+can land mid-generation. The integration tests run the worker with the real LocalEngine
+behind the real router.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -21,10 +25,25 @@ from agentflow.inference.base import (
     SessionRef,
     WeightUpdate,
 )
-from agentflow.inference.mock_sglang import create_mock_worker
 from agentflow.inference.sglang import SGLangEngine, SGLangSettings
 from agentflow.inference.sglang_http import RetryPolicy
-from tests.unit.inference.sglang_fakes import FakeEngine, next_token
+from tests.support.engine import MockEngine
+from tests.support.mock_sglang import create_mock_worker
+
+VOCAB = 64
+
+
+def next_token(prev: int, version: int) -> int:
+    return (prev * 7 + 3 + version) % VOCAB
+
+
+def chain(request: GenerateRequest, engine: MockEngine) -> Iterator[tuple[int, float]]:
+    """Each token from the one before and the weights of its step, with its log-prob."""
+    prev = engine.contexts[request.rid][-1]
+    while True:
+        prev = next_token(prev, engine.weight_version)
+        yield prev, -((prev % 5) + 1) / 10
+
 
 # What sglang-router 0.3.2 forwards for a plain /generate (it re-serializes bodies).
 ROUTER_BODY: dict[str, Any] = {
@@ -46,12 +65,12 @@ ROUTER_BODY: dict[str, Any] = {
 
 
 @pytest.fixture
-def fake() -> FakeEngine:
-    return FakeEngine(step_s=0.002)
+def fake() -> MockEngine:
+    return MockEngine(chain, step_s=0.002, model="fake", vocab_size=VOCAB, max_context=512)
 
 
 @pytest.fixture
-async def http(fake: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
+async def http(fake: MockEngine) -> AsyncIterator[httpx.AsyncClient]:
     app = create_mock_worker(fake, model_path="/models/fake")
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
@@ -121,7 +140,7 @@ async def test_stop_token_ends_generation(engine: SGLangEngine) -> None:
     assert result.output_ids[-1] == stop and len(result.output_ids) == 2
 
 
-async def test_sessions_continue_from_the_parent(engine: SGLangEngine, fake: FakeEngine) -> None:
+async def test_sessions_continue_from_the_parent(engine: SGLangEngine, fake: MockEngine) -> None:
     sid = await engine.open_session()
     first = await engine.generate(
         GenerateRequest(
@@ -152,7 +171,7 @@ async def test_sessions_continue_from_the_parent(engine: SGLangEngine, fake: Fak
 
 
 async def test_pause_abort_resume_is_stitched_not_restarted(
-    engine: SGLangEngine, fake: FakeEngine, http: httpx.AsyncClient
+    engine: SGLangEngine, fake: MockEngine, http: httpx.AsyncClient
 ) -> None:
     req = GenerateRequest(input_ids=(3,), sampling=SamplingParams(max_new_tokens=40), rid="long")
     task = asyncio.create_task(engine.generate(req))
@@ -176,7 +195,7 @@ async def test_pause_abort_resume_is_stitched_not_restarted(
         prev = next_token(prev, version)
         expected.append(prev)
     assert result.output_ids == expected
-    assert fake.loaded_paths == ["/models/v1"]
+    assert [u.path for u in fake.updates] == ["/models/v1"]
     assert (await engine.info()).model == "/models/v1"
 
 
@@ -245,7 +264,7 @@ async def test_info_and_health(engine: SGLangEngine, http: httpx.AsyncClient) ->
 
 
 def test_cli_needs_exactly_one_model_source() -> None:
-    from agentflow.inference.mock_sglang import _parse_args
+    from tests.support.mock_sglang import _parse_args
 
     args = _parse_args(["--port", "9", "--model-init", '{"layers": 1}'])
     assert (args.port, args.model_init, args.model_path) == (9, '{"layers": 1}', None)

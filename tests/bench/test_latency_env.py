@@ -7,18 +7,24 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Iterator
 
 import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from bench.latency_env import ENV_ID, LatencyModelEnv, register
 from envs import registry
 from envs.adapters.as_gymnasium import register_with_gymnasium
 from envs.base import Env as EnvProtocol
 from envs.base import EnvClosed, EpisodeFinished, StepTimeout, TextAction, ToolCall, ToolCallsAction
-from envs.latency_model import LatencyModelEnv
 
-ENV_ID = "agentflow/latency-model-v0"
+
+@pytest.fixture(autouse=True)
+def registered() -> Iterator[None]:
+    register()
+    yield
+    registry.unregister(ENV_ID)
 
 
 async def play(env: LatencyModelEnv, seed: int, answer: str = "a") -> tuple[int, float, float]:

@@ -18,7 +18,7 @@ from agentflow.inference.base import (
     SessionRef,
     WeightUpdate,
 )
-from agentflow.inference.latency_model import LatencyModelConfig, LatencyModelEngine
+from bench.latency_engine import LatencyModelConfig, LatencyModelEngine
 
 STOP = 263  # the byte tokenizer's <|end|>
 UPDATE = WeightUpdate(state_dict={})

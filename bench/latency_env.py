@@ -16,6 +16,9 @@ answers always score the same.
 Every kwarg can be set from a run config (``[[envs]] kwargs``); ``time_scale`` multiplies
 every latency so tests run the same schedule faster. Any action type is accepted (the
 action's text, or its tool calls as JSON, feeds the reward coin).
+
+It is a benchmark's simulator, not a built-in: :func:`register` adds it to the env
+registry of the process that runs the benchmark.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ import math
 import random
 from typing import Any, ClassVar
 
+from envs import registry
 from envs.base import Action, Message, Observation, TextAction, ToolCallsAction
 from envs.turn_env import Outcome, TurnEnv
+
+ENV_ID = "agentflow/latency-model-v0"
 
 
 def _user(text: str) -> Observation:
@@ -45,7 +51,7 @@ def _action_text(action: Action) -> str:
 class LatencyModelEnv(TurnEnv):
     """A multi-turn episode with seeded turn count, step latencies and reward."""
 
-    env_id = "agentflow/latency-model-v0"
+    env_id = ENV_ID
     accepted_actions: ClassVar[frozenset[str]] = frozenset(
         {"text", "tool_calls", "browser", "computer"}
     )
@@ -112,3 +118,8 @@ class LatencyModelEnv(TurnEnv):
 
     def _state(self) -> dict[str, Any]:
         return {"episode_turns": self.episode_turns}
+
+
+def register() -> None:
+    """Make ``registry.make(ENV_ID)`` (and run configs naming it) build this env."""
+    registry.register(ENV_ID, LatencyModelEnv, replace=True)

@@ -1,4 +1,4 @@
-"""Play whole episodes with a policy: used by tests, benchmarks and warm-start data."""
+"""Play whole episodes of an env with a scripted policy (tests of envs and their servers)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,12 @@ as they do in SGLang's scheduler.
 Routes under `/mock/` are this worker's own: the request log tests use to see where the
 router sent what.
 
-Run: `python -m agentflow.inference.mock_sglang --port P --model-init '{"layers": 2}'`
-(or `--model-path DIR` for an HF-format directory).
+SGLang's schema itself (field names, defaults, the keys it knows) comes from the client's
+`agentflow.inference.sglang_wire`, so the worker and the client cannot disagree on it;
+this module holds only what the worker enforces on top and how it behaves.
+
+Run from the repository root: `python -m tests.support.mock_sglang --port P
+--model-init '{"layers": 2}'` (or `--model-path DIR` for an HF-format directory).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from agentflow.errors import AgentFlowError, CapacityExceeded, EngineUnavailable
+from agentflow.errors import AgentFlowError, CapacityExceeded, EngineError, EngineUnavailable
+from agentflow.inference import sglang_wire as wire
 from agentflow.inference.base import (
     Engine,
     GenerateRequest,
@@ -44,17 +49,67 @@ from agentflow.inference.base import (
     SessionRef,
     WeightUpdate,
 )
-from agentflow.inference.mock_sglang_schema import (
-    GenerateBody,
-    OpenSessionBody,
-    Refusal,
-    UpdateFromDiskBody,
-    check_distributed_group,
-    check_distributed_update,
-    check_tensor_update,
-)
 
-SGLANG_VERSION = "0.5.23"
+
+class Refusal(ValueError):
+    """A request this worker answers with a 400."""
+
+
+def parse_generate(raw: dict[str, Any]) -> wire.GenerateBody:
+    """A `/generate` body as SGLang would take it, refusing what this worker cannot honour.
+
+    Every key SGLang knows is accepted; the ones that change the answer must keep their
+    default (or be absent), so a request never silently gets a different behaviour than
+    it would from SGLang. Keys SGLang does not know are refused, as SGLang refuses unknown
+    `sampling_params` keys.
+    """
+    ours = wire.GenerateBody.model_fields.keys()
+    unknown = raw.keys() - ours - wire.GENERATE_DEFAULTS.keys() - wire.GENERATE_INERT
+    if unknown:
+        raise Refusal(f"unknown /generate keys: {sorted(unknown)}")
+    _require_defaults(raw, wire.GENERATE_DEFAULTS, "")
+    if "input_ids" not in raw:
+        raise Refusal("input_ids is required (this server runs without a tokenizer)")
+    if not isinstance(raw["input_ids"], list) or not raw["input_ids"]:
+        raise Refusal("input_ids must be a non-empty list of ids")
+    if isinstance(raw["input_ids"][0], list):
+        raise Refusal("batched input_ids are not supported by this worker")
+    if raw.get("logprob_start_len", -1) != -1:
+        raise Refusal("only logprob_start_len=-1 (output log-probs) is supported")
+    sampling = raw.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise Refusal("sampling_params must be an object")
+    implemented = wire.SamplingParamsBody.model_fields.keys()
+    unknown = sampling.keys() - implemented - wire.SAMPLING_DEFAULTS.keys()
+    unknown -= wire.SAMPLING_TEXT_ONLY
+    if unknown:
+        # SGLang's own wording for the same mistake.
+        raise Refusal(f"Unknown sampling parameter(s): {sorted(unknown)}")
+    _require_defaults(sampling, wire.SAMPLING_DEFAULTS, "sampling_params.")
+    session = raw.get("session_params")
+    if isinstance(session, dict) and (
+        session.get("replace") or session.get("drop_previous_output")
+    ):
+        raise Refusal("session_params.replace/drop_previous_output are not supported")
+    kept = {k: v for k, v in sampling.items() if k in implemented}
+    body = {k: v for k, v in raw.items() if k in ours}
+    return wire.GenerateBody.model_validate({**body, "sampling_params": kept})
+
+
+def _require_defaults(body: dict[str, Any], defaults: dict[str, Any], prefix: str) -> None:
+    for key, default in defaults.items():
+        if key in body and body[key] != default and body[key] is not None:
+            raise Refusal(f"{prefix}{key}={body[key]!r} is not supported by this worker")
+
+
+def _version(weight_version: str | None) -> int | None:
+    """The integer version an update names; None: the engine's next."""
+    if weight_version is None:
+        return None
+    try:
+        return wire.version_from_wire(weight_version)
+    except EngineError as exc:
+        raise Refusal(f"{exc.message}: this worker counts integers") from None
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -110,11 +165,12 @@ def _meta(
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": len(result.output_ids),
         "cached_tokens": result.cached_tokens,
-        "weight_version": str(spans[-1].version if spans else version),
+        "weight_version": wire.version_to_wire(spans[-1].version if spans else version),
     }
     if len(spans) > 1:
         meta["weight_versions"] = [
-            {"version": str(s.version), "start": s.start, "end": s.end} for s in spans
+            {"version": wire.version_to_wire(s.version), "start": s.start, "end": s.end}
+            for s in spans
         ]
     if return_logprob:
         meta["output_token_logprobs"] = [
@@ -123,7 +179,7 @@ def _meta(
     return meta
 
 
-def _to_request(body: GenerateBody, routing_key: str | None) -> GenerateRequest:
+def _to_request(body: wire.GenerateBody, routing_key: str | None) -> GenerateRequest:
     sp = body.sampling_params
     session = None
     if body.session_params is not None:
@@ -196,8 +252,8 @@ def create_mock_worker(
 
     @app.post("/generate")
     async def generate(request: Request) -> dict[str, Any]:
-        body = GenerateBody.parse(await json_body(request))
-        req = _to_request(body, request.headers.get("x-smg-routing-key"))
+        body = parse_generate(await json_body(request))
+        req = _to_request(body, request.headers.get(wire.ROUTING_KEY_HEADER))
         state.log.append(
             {
                 "rid": req.rid,
@@ -235,15 +291,13 @@ def create_mock_worker(
 
     @app.post("/open_session")
     async def open_session(request: Request) -> str:
-        body = OpenSessionBody.model_validate(await json_body(request))
+        body = wire.OpenSessionBody.model_validate(await json_body(request))
         return await engine.open_session(body.session_id)
 
     @app.post("/close_session")
     async def close_session(request: Request) -> None:
-        body = await json_body(request)
-        if not isinstance(body.get("session_id"), str):
-            raise Refusal("session_id (string) is required")
-        await engine.close_session(body["session_id"])
+        body = wire.CloseSessionBody.model_validate(await json_body(request))
+        await engine.close_session(body.session_id)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> None:
@@ -278,11 +332,11 @@ def create_mock_worker(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = UpdateFromDiskBody.model_validate(await json_body(request))
+        body = wire.UpdateWeightsFromDiskBody.model_validate(await json_body(request))
         if body.abort_all_requests:
             for rid in list(state.in_flight):
                 await engine.abort(rid)
-        version = body.version()
+        version = _version(body.weight_version)
         try:
             got = await engine.update_weights(WeightUpdate(path=body.model_path, version=version))
         except (AgentFlowError, ValueError, OSError) as exc:
@@ -304,17 +358,17 @@ def create_mock_worker(
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
-        check_distributed_group(await json_body(request))
+        wire.InitWeightsUpdateGroupBody.model_validate(await json_body(request))
         return unsupported("/init_weights_update_group")
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        check_distributed_update(await json_body(request))
+        wire.UpdateWeightsFromDistributedBody.model_validate(await json_body(request))
         return unsupported("/update_weights_from_distributed")
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
-        check_tensor_update(await json_body(request))
+        wire.UpdateWeightsFromTensorBody.model_validate(await json_body(request))
         return unsupported("/update_weights_from_tensor")
 
     async def model_info() -> dict[str, Any]:
@@ -324,7 +378,7 @@ def create_mock_worker(
             "tokenizer_path": state.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(info.weight_version),
+            "weight_version": wire.version_to_wire(info.weight_version),
             "has_image_understanding": False,
             "has_audio_understanding": False,
         }
@@ -335,7 +389,7 @@ def create_mock_worker(
             "model_path": state.model_path,
             "context_length": state.context_length or info.max_context,
             "skip_tokenizer_init": True,
-            "version": SGLANG_VERSION,
+            "version": wire.SGLANG_VERSION,
         }
 
     for path in ("/model_info", "/get_model_info"):
@@ -373,7 +427,7 @@ def create_mock_worker(
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m agentflow.inference.mock_sglang",
+        prog="python -m tests.support.mock_sglang",
         description="Serve a LocalEngine behind SGLang 0.5.23's HTTP API.",
     )
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,1 @@
+"""Benchmarks, and the simulators they run on (importable for their tests)."""

@@ -1,0 +1,1 @@
+"""Test support: fakes, simulators and helpers that tests (and benchmarks) share."""
