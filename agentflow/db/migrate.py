@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
@@ -12,13 +14,26 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentflow.errors import SchemaOutOfDate
 
-# The migrations live beside the package in the source tree (`alembic/` at the top level).
-ALEMBIC_DIR = Path(__file__).resolve().parents[2] / "alembic"
+
+@cache
+def script_location() -> Path:
+    """The Alembic script directory (`env.py`, `script.py.mako`, `versions/`) of this package.
+
+    It ships as package data, `agentflow/_migrations`: in the source tree a symlink to the
+    top-level `alembic/`, in a wheel a copy of it (docs/decisions.md, "How migrations ship").
+    """
+    location = resources.files("agentflow") / "_migrations"
+    if not isinstance(location, Path) or not (location / "env.py").is_file():
+        raise RuntimeError(
+            f"agentflow's migrations are missing from the installed package ({location}); "
+            "reinstall agentflow"
+        )
+    return location
 
 
 def alembic_config(url: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(ALEMBIC_DIR))
+    cfg.set_main_option("script_location", str(script_location()))
     cfg.set_main_option("sqlalchemy.url", url)
     return cfg
 
@@ -33,7 +48,7 @@ def downgrade(url: str, revision: str = "base") -> None:
 
 
 def head_revision() -> str | None:
-    return ScriptDirectory(str(ALEMBIC_DIR)).get_current_head()
+    return ScriptDirectory(str(script_location())).get_current_head()
 
 
 async def current_revision(engine: AsyncEngine) -> str | None:
