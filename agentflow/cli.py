@@ -15,7 +15,7 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from agentflow.errors import AgentFlowError
+from agentflow.errors import AgentFlowError, InvalidInput
 
 app = typer.Typer(help="AgentFlow: train LLM agents with asynchronous RL.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema migrations.", no_args_is_help=True)
@@ -46,7 +46,12 @@ def _client(url: str, api_key: str | None) -> Any:
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    message = str(exc)
+    if isinstance(exc, InvalidInput) and exc.field:  # name the field, as the API's 422 does
+        field = ".".join(exc.field[1:] if exc.field[0] == "body" else exc.field)
+        if field not in message.partition(": ")[0]:
+            message = f"{field}: {message}"
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=1)
 
 
@@ -198,14 +203,7 @@ def runs_create(
     api_key: KeyOpt = None,
 ) -> None:
     """Create a run from a TOML config (validated here first, then by the gateway)."""
-    from pydantic import ValidationError
-
-    from agentflow.run_config import load_run_config
-
-    try:
-        config = load_run_config(file)
-    except ValidationError as exc:
-        raise _fail(exc) from None
+    config = _run_config(file)
     try:
         with _client(url, api_key) as client:
             _print(client.create_run(config, start=start))
@@ -270,7 +268,8 @@ def _run_config(path: Path) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise _fail(ValueError(f"{path}: {where}: {first['msg']}")) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise _fail(ValueError(f"{path}: {where}: {message}")) from None
     except (OSError, ValueError) as exc:  # unreadable file, TOML syntax
         raise _fail(exc) from None
 
@@ -312,10 +311,20 @@ def sft(
 ) -> None:
     """Warm start only: supervised training on the first env's scripted oracle."""
     run_config = _run_config(config)
+    from agentflow.run_config import check_warm_start_env
+
+    try:  # also when `warm_start.enabled` is false, which the config's parse checks
+        check_warm_start_env(run_config.envs[0].id, run_config.warm_start.p_oracle)
+    except ValueError as exc:
+        raise _fail(ValueError(f"{config}: warm_start: {exc}")) from None
     from trainer.embedded import run_directory, warm_start
 
     target = out or run_directory(run_config) / "sft"
-    _print({"model": str(target), **warm_start(run_config, target)})
+    try:
+        metrics = warm_start(run_config, target)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    _print({"model": str(target), **metrics})
 
 
 @app.command("trainer")
@@ -327,11 +336,13 @@ def trainer_command(
 ) -> None:
     """The split form: train a run that a gateway executes (disk weight sync)."""
     run_config = _run_config(config)
+    import httpx
+
     from trainer.remote import train_remote
 
     try:
         summary = train_remote(run_config, gateway, uuid.UUID(run_id), api_key=api_key)
-    except (AgentFlowError, ValueError) as exc:
+    except (AgentFlowError, ValueError, httpx.TransportError) as exc:
         raise _fail(exc) from None
     _print(summary)
 

@@ -1,7 +1,17 @@
-"""The run config (DESIGN §7a): one document for the CLI (TOML), the REST API (JSON) and tests.
+"""The run config (docs/architecture.md, "Run config"): one document for the CLI (TOML),
+the REST API (JSON) and tests.
 
 Every field is documented and bounded so a malformed config fails before anything starts,
 naming the field. Backends are `type`-discriminated so each gets only its own options.
+
+Every option either works or is refused here, at parse time: the values the schema names
+for features not built yet (`[[teachers]]`, `rtpo`, `megatron`, `nccl`, `kl_coef > 0`)
+stay in the schema, so the docs show what is planned, but a validator refuses them with
+"... is not available yet" (docs/runs.md has the table); so does an option that the
+chosen kind would ignore (an agent option of another agent type, `weights.dir` without
+disk sync). What depends on the process form (the embedded trainer drives a local engine
+in process, the split trainer publishes by disk) or on the machine (a CUDA device) is
+checked where the run starts, before anything runs.
 """
 
 from __future__ import annotations
@@ -12,11 +22,66 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from agentflow.errors import InvalidInput
 from agentflow.modeling import ModelInit
+from agentflow.plugins import load_function
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
+
+# The work that will make each refused option available (docs/runs.md has the table).
+TEACHER_MANAGER = "the Teacher Manager"
+RTPO = "RTPO"
+MEGATRON = "the Megatron backend"
+REFERENCE_MODEL = "the reference model"
+
+
+def _not_available(what: str, planned: str, why: str = "") -> ValueError:
+    """The one refusal of a planned option. Raised in the field's own validator, so pydantic
+    names the field in `loc` (the API's 422 `body.trainer.algorithm`, the CLI's
+    `trainer.algorithm: 'rtpo' is not available yet ...`): the message gives the value."""
+    return ValueError(f"{what} is not available yet{why} (planned: {planned})")
+
+
+# `RunConfig.model_validate(document, context=UNLOADED)`: a stored config read for its
+# settings, not to run (a finished run's trajectory stream), imports no plug-in.
+UNLOADED = {"load_plugins": False}
+
+
+def _plugin(path: str, info: ValidationInfo) -> str:
+    """A plug-in's dotted path must load (`agentflow.plugins`): refused at parse time,
+    so the API's 422 and the CLI name the field, before anything runs."""
+    if (info.context or {}).get("load_plugins", True):
+        try:
+            load_function(path, field=())
+        except InvalidInput as exc:
+            raise ValueError(exc.message) from None
+    return path
+
+
+# "package.module:function", imported from an allowed module when the config is parsed.
+PluginPath = Annotated[str, AfterValidator(_plugin)]
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE.match(value):
+        raise ValueError(f"must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return value
+
+
+def _default(model: type[BaseModel], name: str) -> object:
+    return model.model_fields[name].default
 
 
 class _Section(BaseModel):
@@ -33,6 +98,11 @@ class LocalEngineConfig(_Section):
     device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
     max_batch_size: int = Field(default=64, ge=1, le=4096, description="sequences per step")
     kv_budget_tokens: int = Field(default=1 << 20, ge=1024, description="session KV budget")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return _check_device(value)
 
 
 class SGLangEngineConfig(_Section):
@@ -56,23 +126,115 @@ class EnvEntry(_Section):
     )
     weight: float = Field(default=1.0, gt=0, description="share of episodes in the mix")
     max_concurrency: int = Field(default=64, ge=1, le=100_000, description="live episodes cap")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the env")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to a built-in env (`namespace/Name-vN`); a registered env takes "
+        "its settings from its stored spec",
+    )
+    reward: PluginPath | None = Field(
+        default=None,
+        description="`pkg.mod:fn`, fn(RewardInput) -> float (sync or async): its value "
+        "replaces the reward of this env's completed and truncated episodes",
+    )
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_for_builtins(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        env_id = info.data.get("id")
+        if value and env_id is not None:
+            from envs.registry import ENV_ID
+
+            if not ENV_ID.match(env_id):  # `name[@version]`: a registered env
+                raise ValueError(
+                    f"kwargs go to built-in envs only; {env_id!r} is a registered env, "
+                    "whose settings are its stored spec"
+                )
+        return value
 
 
 class AgentConfig(_Section):
-    type: Literal["whitebox", "http", "container"] = Field(default="whitebox")
+    type: Literal["whitebox", "http", "container", "python"] = Field(default="whitebox")
     max_turns: int = Field(default=6, ge=1, le=1000, description="turn budget per episode")
     max_tokens: int = Field(default=512, ge=1, description="token budget per episode")
     max_new_tokens: int = Field(default=64, ge=1, description="tokens per policy turn")
     system_prompt: str | None = Field(default=None, description="prepended when the env has none")
     url: AnyHttpUrl | None = Field(default=None, description="agent service (type=http)")
     command: list[str] = Field(default_factory=list, description="agent program (container)")
-    deadline_s: float = Field(default=600.0, gt=0, description="black-box episode deadline")
+    entry_point: str | None = Field(
+        default=None,
+        description="`pkg.mod:factory` (type=python): factory(AgentConfig) -> an Agent, "
+        "called once per run",
+    )
+    deadline_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="black-box episode deadline (container: at most 3600, the sandbox's bound)",
+    )
     reward: Literal["env", "agent", "external"] = Field(
         default="env",
         description="black-box reward: the env's verifier, the agent's report, or POST .../reward",
     )
     temperature: float = Field(default=1.0, ge=0, description="sampling temperature")
+
+    # The fields of one agent type are refused with another, which would ignore them
+    # (as the engine's options are, by its `type`). `type` comes first, so it is known.
+    @field_validator("system_prompt")
+    @classmethod
+    def _prompt_is_whitebox(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("type")
+        if value is not None and kind not in (None, "whitebox"):
+            raise ValueError(
+                f"agent type {kind!r} sends its own messages: system_prompt is for 'whitebox'"
+            )
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: AnyHttpUrl | None, info: ValidationInfo) -> AnyHttpUrl | None:
+        kind = info.data.get("type")
+        if value is not None and kind not in (None, "http"):
+            raise ValueError(f"url is the agent service of type 'http', not of {kind!r}")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command_is_container(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        kind = info.data.get("type")
+        if value and kind not in (None, "container"):
+            raise ValueError(f"command is the program of type 'container', not of {kind!r}")
+        return value
+
+    @field_validator("entry_point")
+    @classmethod
+    def _entry_point_is_python(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("type")
+        if value is not None and kind not in (None, "python"):
+            raise ValueError(f"entry_point is the factory of type 'python', not of {kind!r}")
+        if value is not None and kind == "python":
+            _plugin(value, info)
+        return value
+
+    @field_validator("deadline_s")
+    @classmethod
+    def _deadline_is_blackbox(cls, value: float, info: ValidationInfo) -> float:
+        kind = info.data.get("type")
+        if kind in ("whitebox", "python") and value != _default(cls, "deadline_s"):
+            raise ValueError(f"a {kind} agent has no deadline: deadline_s is for http/container")
+        if kind == "container" and value > 3600:
+            raise ValueError("a container agent's deadline is at most 3600 s (the sandbox's)")
+        return value
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_source(cls, value: str, info: ValidationInfo) -> str:
+        kind = info.data.get("type")
+        if value != "env" and kind in ("whitebox", "python"):
+            raise ValueError(
+                f"a {kind} agent's reward is the env's: reward = {value!r} is for "
+                "black-box agents (http, container)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _kind_fields(self) -> AgentConfig:
@@ -80,6 +242,8 @@ class AgentConfig(_Section):
             raise ValueError("agent.url is required when agent.type is 'http'")
         if self.type == "container" and not self.command:
             raise ValueError("agent.command is required when agent.type is 'container'")
+        if self.type == "python" and self.entry_point is None:
+            raise ValueError("agent.entry_point is required when agent.type is 'python'")
         return self
 
 
@@ -128,6 +292,11 @@ class RolloutConfig(_Section):
     park_after_s: float | None = Field(
         default=5.0, ge=0, description="release a waiting session's KV after this; None: never"
     )
+    hooks: list[PluginPath] = Field(
+        default_factory=list,
+        description="`pkg.mod:fn` each, fn(EpisodeEvent) -> None (sync or async), called "
+        "once each episode is recorded; one that raises is logged and counted",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> RolloutConfig:
@@ -137,7 +306,9 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron"] = Field(
+        default="torch", description="torch (CPU or CUDA); megatron is not available yet"
+    )
     algorithm: Literal["grpo", "ppo", "rtpo"] = Field(
         default="grpo",
         description="grpo: advantages (r - group mean) / group std; ppo: r - group mean; "
@@ -158,7 +329,11 @@ class TrainerConfig(_Section):
     tis_cap: float | None = Field(
         default=2.0, ge=1.0, description="truncate behaviour importance weights; None: never"
     )
-    kl_coef: float = Field(default=0.0, ge=0, description="KL to the reference policy")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="KL to the reference policy; > 0 is not available yet (no reference model)",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0)
     minibatches: int = Field(default=1, ge=1, le=256, description="optimizer steps per batch")
     max_tokens_per_microbatch: int = Field(
@@ -173,6 +348,32 @@ class TrainerConfig(_Section):
     threads: int | None = Field(
         default=None, ge=1, description="torch CPU threads; None: torch's default"
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value != "torch":
+            raise _not_available(repr(value), MEGATRON)
+        return value
+
+    @field_validator("algorithm")
+    @classmethod
+    def _algorithm(cls, value: str) -> str:
+        if value == "rtpo":
+            raise _not_available(repr(value), RTPO)
+        return value
+
+    @field_validator("kl_coef")
+    @classmethod
+    def _kl_coef(cls, value: float) -> float:
+        if value > 0:
+            raise _not_available("kl_coef > 0", REFERENCE_MODEL, ": there is no reference model")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        return _check_device(value)
 
 
 class WarmStartConfig(_Section):
@@ -194,11 +395,34 @@ class WarmStartConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    sync: Literal["inprocess", "disk", "nccl"] = "inprocess"
-    dir: str = Field(default="", description="where `disk` sync writes shards")
+    sync: Literal["inprocess", "disk", "nccl"] = Field(
+        default="inprocess",
+        description="inprocess: the embedded trainer's local engine; disk: safetensors the "
+        "engines load (the split trainer); nccl is not available yet",
+    )
+    dir: str = Field(
+        default="", description="where `disk` sync writes shards; empty: RUN_DIR/weights"
+    )
+
+    @field_validator("sync")
+    @classmethod
+    def _sync(cls, value: str) -> str:
+        if value == "nccl":
+            raise _not_available(repr(value), MEGATRON)
+        return value
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_is_disk(cls, value: str, info: ValidationInfo) -> str:
+        sync = info.data.get("sync")
+        if value and sync not in (None, "disk"):
+            raise ValueError(f"only disk sync writes here; with sync = {sync!r} nothing is")
+        return value
 
 
 class TeacherConfig(_Section):
+    """Planned: `RunConfig.teachers` refuses any entry until the Teacher Manager exists."""
+
     name: str = Field(min_length=1)
     path: str = Field(default="", description="local HF checkpoint")
     url: AnyHttpUrl | None = Field(default=None, description="remote engine")
@@ -224,7 +448,9 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    teachers: list[TeacherConfig] = Field(default_factory=list)
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list, description="on-policy distillation; not available yet"
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @field_validator("name")
@@ -233,6 +459,85 @@ class RunConfig(_Section):
         if not _NAME.match(value):
             raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
         return value
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_model(
+        cls, value: LocalEngineConfig | SGLangEngineConfig, info: ValidationInfo
+    ) -> Any:
+        model = info.data.get("model")
+        if isinstance(value, SGLangEngineConfig) and model is not None and not model.path:
+            raise ValueError(
+                "an sglang engine needs model.path (its tokenizer must match the server's); "
+                "model.init builds a model only for the local engine"
+            )
+        return value
+
+    @field_validator("teachers", mode="before")
+    @classmethod
+    def _teachers(cls, value: Any) -> Any:
+        if value:  # any entry, well-formed or not
+            raise _not_available("[[teachers]]", TEACHER_MANAGER)
+        return value
+
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start_env(cls, value: WarmStartConfig, info: ValidationInfo) -> WarmStartConfig:
+        envs = info.data.get("envs")
+        if value.enabled and envs:
+            check_warm_start_env(envs[0].id, value.p_oracle)
+        return value
+
+
+def check_warm_start_env(env_id: str, p_oracle: float) -> None:
+    """The warm start plays the first env's noisy oracle (`trainer.sft.noisy_policy`):
+    a built-in registry env with an oracle, and a `noisy_oracle` unless p_oracle is 1.
+    Raises ValueError saying what is missing."""
+    from envs import registry
+    from envs.base import EnvError
+
+    try:
+        entry = registry.spec(env_id)
+    except EnvError:
+        with_oracle = [e for e in registry.registered() if registry.spec(e).oracle is not None]
+        raise ValueError(
+            f"the warm start plays envs[0]'s scripted oracle, and {env_id!r} is not a "
+            f"built-in env (those with an oracle: {', '.join(with_oracle)})"
+        ) from None
+    if entry.oracle is None:
+        raise ValueError(f"the warm start needs a scripted oracle, and {env_id!r} has none")
+    if p_oracle >= 1.0:
+        return
+    noisy = False
+    if isinstance(entry.oracle, str):
+        try:
+            registry.load_entry_point(f"{entry.oracle.partition(':')[0]}:noisy_oracle")
+            noisy = True
+        except EnvError:
+            pass
+    if not noisy:
+        raise ValueError(
+            f"{env_id!r} has no noisy oracle (its module has no `noisy_oracle`): "
+            "set warm_start.p_oracle = 1"
+        )
+
+
+def check_device(device: str, field: tuple[str, ...]) -> None:
+    """A CUDA device the config names must exist on this machine: refused here, naming the
+    field, rather than failing inside torch (the config's parse checks the spelling)."""
+    if not device.startswith("cuda"):
+        return
+    import torch  # only here: parsing a config needs no torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise InvalidInput(
+            f"{device!r}: this machine has {count} CUDA device(s); use 'cpu'"
+            if count == 0
+            else f"{device!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})",
+            field=field,
+        )
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -1,4 +1,5 @@
-"""Shared value types of the turn-tree data model (DESIGN §3), free of any database or web code.
+"""Shared value types of the turn-tree data model (docs/architecture.md, "Data model"),
+free of any database or web code.
 
 A `TurnRecord` is what a rollout hands the store: one segment of tokens appended to its
 parent's context. It validates itself on construction, so an invalid record never exists.
@@ -181,7 +182,7 @@ class TurnRecord:
         set_(self, "timings", dict(self.timings))
 
 
-Segment = TurnRecord  # DESIGN §3 speaks of a turn's "segment"; both names mean this type
+Segment = TurnRecord  # the docs speak of a turn's "segment"; both names mean this type
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,7 +317,8 @@ class Trajectory:
     loss_weight: float = 1.0  # < 1 when served past the staleness bound (`downweight`)
 
     def staleness(self, current_version: int) -> int | None:
-        """`current_version - min(token versions)` (DESIGN §6); None without policy tokens."""
+        """`current_version - min(token versions)` (docs/architecture.md, "Asynchrony and
+        staleness"); None without policy tokens."""
         if self.min_weight_version is None:
             return None
         return current_version - self.min_weight_version

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentflow.db import migrate
-from agentflow.db.scratch import DEFAULT_ADMIN_URL, scratch_database
 from agentflow.db.session import create_engine
+from tests.support.scratch_db import DEFAULT_ADMIN_URL, scratch_database
 
 PG_ADMIN_URL = os.environ.get("AGENTFLOW_TEST_PG_URL", DEFAULT_ADMIN_URL)
 

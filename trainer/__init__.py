@@ -1,4 +1,4 @@
-"""The trainer (DESIGN §7): the RL loop and its numerical core.
+"""The trainer (docs/architecture.md, "Trainer"): the RL loop and its numerical core.
 
 The core: `algorithms` (advantages and the decoupled PPO-clip loss, pure tensor math),
 `batching` (trajectories → validated micro-batches under a token budget) and

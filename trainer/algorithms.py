@@ -1,6 +1,6 @@
 """The RL objective: group-normalised advantages and the decoupled PPO-clip policy loss.
 
-Three policies meet in one loss (DESIGN §7):
+Three policies meet in one loss (docs/architecture.md, "Trainer"):
 
     behaviour  π_behav  the weights that sampled each token (log-probs from the engine;
                         asynchronous rollouts mix several versions in one batch)

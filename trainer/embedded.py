@@ -15,25 +15,26 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
-
-from sqlalchemy import select
+from typing import TYPE_CHECKING, Any
 
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.db import migrate
-from agentflow.db.models import Run
+from agentflow.db.runs import LIVE_RUN_STATUSES
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.manager import RunManager
-from agentflow.run_config import RunConfig
+from agentflow.run_config import RunConfig, check_device
 from trainer.backends.torch_backend import TorchPolicy
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
 from trainer.weights import WeightPublisher
+
+if TYPE_CHECKING:
+    from trainer.sft import SftConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +45,19 @@ def run_directory(config: RunConfig) -> Path:
 
 def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     """Check what this process can train, and run the warm start if the run needs it.
-    Returns the config with `model.path` pointing at the weights RL starts from."""
-    if config.trainer.backend != "torch":
-        raise InvalidInput(
-            "the embedded trainer runs the torch backend; megatron runs under torchrun",
-            field=("trainer", "backend"),
-        )
-    if config.trainer.algorithm == "rtpo":
-        raise InvalidInput("rtpo is not available yet", field=("trainer", "algorithm"))
+    Returns the config with `model.path` pointing at the weights RL starts from.
+
+    Options not built yet (megatron, rtpo, nccl, kl_coef, teachers) never get here: the
+    config's parse refuses them. Checked here is what depends on this process form and
+    this machine, before anything is written or trained."""
     if config.engine.type != "local":
         raise InvalidInput(
             "the embedded trainer updates a local engine in process; use `agentflow trainer "
             "--gateway URL` with disk sync for SGLang",
             field=("engine", "type"),
         )
+    check_device(config.engine.device, ("engine", "device"))
+    check_device(config.trainer.device, ("trainer", "device"))
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
     config = _with_warm_start(config, directory)
@@ -87,15 +87,25 @@ def _with_warm_start(config: RunConfig, directory: Path) -> RunConfig:
 def warm_start(config: RunConfig, out_dir: Path) -> dict[str, Any]:
     """SFT on the first env's noisy oracle, as `[warm_start]` says; the model goes to
     `out_dir`. Returns the warm start's metrics (with its evaluation)."""
-    from trainer.sft import SftConfig, run_sft
+    from trainer.sft import run_sft
 
-    sft = SftConfig(
+    return run_sft(warm_start_config(config), config.model.path or config.model.init, out_dir)
+
+
+def warm_start_config(config: RunConfig) -> SftConfig:
+    """The warm start of a run: its `[warm_start]`, played as its agent plays (the same
+    system prompt and budgets), so the warm start's data is what RL will see."""
+    from trainer.sft import SftConfig
+
+    return SftConfig(
         env_id=config.envs[0].id,
         max_turns=config.agent.max_turns,
+        max_tokens=config.agent.max_tokens,
+        max_new_tokens=config.agent.max_new_tokens,
+        system_prompt=config.agent.system_prompt,
         seed=config.seed,
         **config.warm_start.model_dump(exclude={"enabled"}),
     )
-    return run_sft(sft, config.model.path or config.model.init, out_dir)
 
 
 def train_embedded(config: RunConfig) -> dict[str, Any]:
@@ -176,20 +186,11 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
 
 async def _start_or_recover(manager: RunManager, config: RunConfig) -> uuid.UUID:
     """The run of this name in this database: restarted after a crash, or created."""
-    async with manager.sessions() as session:
-        existing = await session.scalar(
-            select(Run).where(Run.name == config.name).order_by(Run.created_at.desc()).limit(1)
-        )
-    if existing is not None and existing.status in ("running", "paused"):
+    existing = await manager.runs.latest(config.name)
+    if existing is not None and existing.status in LIVE_RUN_STATUSES:
         await manager.recover()  # aborts its interrupted episodes, restarts it
         return existing.id
-    async with manager.sessions.begin() as session:
-        run = Run(name=config.name, config=config.model_dump(mode="json"), status="pending")
-        session.add(run)
-        await session.flush()
-        run_id = run.id
-    await manager.start(run_id, config)
-    return run_id
+    return await manager.create(config)
 
 
 class _RunTarget:
@@ -207,12 +208,12 @@ class _RunTarget:
 def _publisher(
     config: RunConfig, directory: Path, target: _RunTarget, policy: TorchPolicy
 ) -> WeightPublisher:
-    if config.weights.sync == "nccl":
-        raise InvalidInput("nccl sync needs GPUs and SGLang", field=("weights", "sync"))
+    sync = config.weights.sync
+    assert sync != "nccl", "refused when the config is parsed"
     weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
     return WeightPublisher(
-        config.weights.sync,
+        sync,
         [target],
-        weights_dir if config.weights.sync == "disk" else None,
+        weights_dir if sync == "disk" else None,
         config=policy.model.config,
     )

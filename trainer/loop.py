@@ -1,5 +1,5 @@
-"""The train loop (DESIGN §7): lease a batch → advantages → loss and step → publish
-weights → acknowledge. Everything else is a function it calls.
+"""The train loop (docs/architecture.md, "Trainer"): lease a batch → advantages → loss and
+step → publish weights → acknowledge. Everything else is a function it calls.
 
 Acknowledgements ride on checkpoints: a batch is acknowledged only after a checkpoint
 that includes its step is on disk, and the checkpoint lists the batches it covers. So a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from agentflow.run_config import RunConfig
+from agentflow.run_config import RunConfig, check_device
 from trainer.algorithms import AlgorithmConfig
 from trainer.backends.torch_backend import TorchBackendConfig, TorchPolicy
 from trainer.batching import BatchingConfig
@@ -15,6 +15,8 @@ from trainer.loop import LoopSettings
 def build_policy(config: RunConfig) -> TorchPolicy:
     """The model RL starts from (`model.path`, or built from `model.init`) with AdamW."""
     from agentflow.modeling import build_model, load_model
+
+    check_device(config.trainer.device, ("trainer", "device"))
 
     model = (
         load_model(config.model.path)

@@ -2,7 +2,7 @@
 
     WeightPublisher(mode, targets).publish(state_dict, version) -> SyncReport
 
-Two ways to hand weights over (DESIGN §7; `nccl` is a separate path):
+Two ways to hand weights over (docs/architecture.md, "Trainer"; `nccl` is a separate path):
 
 - `inprocess`: each target gets `WeightUpdate(state_dict=..., version=...)` holding a
   detached *copy* of the tensors, so the optimizer's next step never changes what an

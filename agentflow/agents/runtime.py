@@ -5,7 +5,7 @@ loop and the OpenAI-compatible proxy both look the run up there, so black-box an
 white-box episodes of one run share the engine (and its KV caches) and record alike.
 
 Every generation goes through `PolicyRuntime.generate`, which is also where weight
-updates meet running requests (DESIGN §6):
+updates meet running requests (docs/architecture.md, "Asynchrony and staleness"):
 - with `partial_rollout`, an update pauses the engine at once (`retract` keeps requests
   queued in the engine; `abort` ends them with their partial output, and this runtime
   resubmits each as `input + partial output` with the rest of its token budget), so a

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models: the turn-tree data model of DESIGN §3.
+"""SQLAlchemy 2 models: the turn-tree data model of docs/architecture.md, "Data model".
 
 Ids are UUIDs made by the client, so a whole batch of turns (parents included) can be
 inserted in one statement without a round trip per row. Token arrays are packed

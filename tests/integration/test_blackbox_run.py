@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentflow.tokenization.bytes import ByteTokenizer
 from tests.integration.agents.blackbox.test_agent_kinds import (  # noqa: F401 (fixture)
     agent_service,
     service_agent,
@@ -52,3 +53,50 @@ def test_http_agent_run_through_the_api(
         assert [(e["status"], e["reward"]) for e in episodes] == [("completed", 1.0)] * 2
         tree = httpx.get(f"{url}/v1/episodes/{episodes[0]['id']}").json()
         assert tree["trajectories"] and tree["roots"][0]["kind"] == "prompt"
+
+
+def test_a_reward_function_rescores_black_box_episodes(
+    sqlite_database: str,
+    tmp_path: Path,
+    agent_service: Callable[[Any], str],  # noqa: F811
+) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    allow = {"AGENTFLOW_PUBLIC_URL": url, "AGENTFLOW_PLUGIN_MODULES": "tests.support"}
+    with gateway_process(sqlite_database, tmp_path, port, **allow):
+        created = httpx.post(
+            f"{url}/v1/runs",
+            timeout=120,
+            json={
+                "name": "http-agents-rescored",
+                "model": {"init": {"layers": 2, "hidden": 64, "heads": 2, "max_context": 1024}},
+                "envs": [
+                    {"id": "agentflow/lookup-v0", "reward": "tests.support.plugins:text_length"}
+                ],
+                "agent": {
+                    "type": "http",
+                    "url": agent_service(service_agent),
+                    "deadline_s": 60,
+                    "max_new_tokens": 8,
+                },
+                "rollout": {"group_size": 2, "max_episodes": 2},
+            },
+        )
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/v1/runs/{run_id}").json()["status"] != "finished":
+            assert time.monotonic() < deadline, "run did not finish"
+            time.sleep(0.2)
+        episodes = httpx.get(f"{url}/v1/runs/{run_id}/episodes").json()["items"]
+        assert [e["status"] for e in episodes] == ["completed"] * 2
+        for episode in episodes:
+            tree = httpx.get(f"{url}/v1/episodes/{episode['id']}").json()
+            (node,) = tree["roots"]
+            tokens = list(node["token_ids"])
+            while node["children"]:  # the agent's calls chain: one leaf
+                (node,) = node["children"]
+                tokens += node["token_ids"]
+            # The reward is the length of the episode's final text, decoded by the gateway.
+            assert episode["reward"] == len(ByteTokenizer().decode(tokens)) > 100
+            assert [t["reward"] for t in tree["trajectories"]] == [episode["reward"]]

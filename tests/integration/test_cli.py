@@ -57,3 +57,32 @@ def test_envs_and_runs_commands(sqlite_database: str, tmp_path: Path) -> None:
         assert deleted.exit_code == 0, deleted.output
         missing = runner.invoke(app, ["envs", "show", env_id, *opts])
         assert missing.exit_code == 1 and "404" in missing.output
+
+
+def test_the_split_trainer_refuses_a_config_that_disagrees_with_its_run(
+    sqlite_database: str, tmp_path: Path
+) -> None:
+    runner = CliRunner()
+    config = {
+        "name": "split-check",
+        "envs": [{"id": "agentflow/guess-number-v0"}],
+        "weights": {"sync": "disk"},
+        "trainer": {"run_dir": str(tmp_path / "runs")},
+    }
+    stored, other = tmp_path / "run.json", tmp_path / "other.json"
+    stored.write_text(json.dumps(config))
+    other.write_text(json.dumps({**config, "agent": {"temperature": 0.7}}))
+    with _server(sqlite_database, tmp_path) as url:
+        created = runner.invoke(app, ["runs", "create", str(stored), "--no-start", "--url", url])
+        assert created.exit_code == 0, created.output
+        run_id = json.loads(created.output)["id"]
+
+        trainer = ["trainer", str(other), "--gateway", url, "--run", run_id]
+        refused = runner.invoke(app, trainer)
+        assert refused.exit_code == 1, refused.output
+        assert refused.output.startswith("error: agent.temperature: 0.7 here but 1.0 in run")
+
+        trainer = ["trainer", str(stored), "--gateway", url, "--run", str(uuid.uuid4())]
+        missing = runner.invoke(app, trainer)
+        assert missing.exit_code == 1 and "404" in missing.output
+    assert not (tmp_path / "runs").exists()  # nothing trained, nothing written

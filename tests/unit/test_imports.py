@@ -1,4 +1,4 @@
-"""The gateway and the CLI start without torch (DESIGN §2)."""
+"""The gateway and the CLI start without torch (docs/architecture.md, "The parts")."""
 
 from __future__ import annotations
 

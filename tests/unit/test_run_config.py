@@ -1,13 +1,103 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from agentflow.run_config import RunConfig, load_run_config
+from agentflow.run_config import UNLOADED, RunConfig, load_run_config
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("**/*.toml"))
+BASE: dict[str, Any] = {"name": "r", "envs": [{"id": "agentflow/guess-number-v0"}]}
+PYTHON_AGENT = {"type": "python", "entry_point": "agentflow.agents.whitebox:WhiteBoxAgent"}
+
+# Planned options the schema names but nothing builds yet: (patch, loc). Each is refused
+# at parse time, through the API (422) and the CLI (exit 1) alike.
+NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
+    ({"teachers": [{"name": "t", "path": "/ckpt"}]}, ("teachers",)),
+    ({"trainer": {"algorithm": "rtpo"}}, ("trainer", "algorithm")),
+    ({"trainer": {"backend": "megatron"}}, ("trainer", "backend")),
+    ({"weights": {"sync": "nccl"}}, ("weights", "sync")),
+    ({"trainer": {"kl_coef": 0.01}}, ("trainer", "kl_coef")),
+]
+
+# Options the run would ignore or fail on late: (patch, loc, what the message says).
+REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
+    ({"agent": {"reward": "agent"}}, ("agent", "reward"), "whitebox agent's reward"),
+    ({"agent": {"reward": "external"}}, ("agent", "reward"), "whitebox agent's reward"),
+    ({"agent": {"url": "http://a:1"}}, ("agent", "url"), "type 'http'"),
+    (
+        {"agent": {"type": "http", "url": "http://a:1", "command": ["x"]}},
+        ("agent", "command"),
+        "type 'container'",
+    ),
+    (
+        {"agent": {"type": "container", "command": ["x"], "system_prompt": "hi"}},
+        ("agent", "system_prompt"),
+        "sends its own messages",
+    ),
+    ({"agent": {"deadline_s": 30}}, ("agent", "deadline_s"), "no deadline"),
+    (
+        {"agent": {"type": "container", "command": ["x"], "deadline_s": 3601}},
+        ("agent", "deadline_s"),
+        "3600",
+    ),
+    (
+        {"agent": {"type": "http", "url": "http://a:1", "deadline_s": 86_401}},
+        ("agent", "deadline_s"),
+        "86400",
+    ),
+    ({"weights": {"dir": "/w"}}, ("weights", "dir"), "disk sync"),
+    ({"engine": {"type": "sglang", "urls": ["http://r:1"]}}, ("engine",), "model.path"),
+    ({"engine": {"type": "local", "device": "gpu"}}, ("engine", "local", "device"), "cuda:N"),
+    ({"trainer": {"device": "cuda0"}}, ("trainer", "device"), "cuda:N"),
+    ({"envs": [{"id": "my-env@2", "kwargs": {"n": 1}}]}, ("envs", 0, "kwargs"), "built-in"),
+    (
+        {"envs": [{"id": "agentflow/calc-tool-v0"}], "warm_start": {"enabled": True}},
+        ("warm_start",),
+        "no noisy oracle",
+    ),
+    (
+        {"envs": [{"id": "my-env"}], "warm_start": {"enabled": True}},
+        ("warm_start",),
+        "not a built-in env",
+    ),
+    # Plug-ins by dotted path are imported at parse time (`agentflow.plugins`).
+    (
+        {"agent": {"entry_point": PYTHON_AGENT["entry_point"]}},
+        ("agent", "entry_point"),
+        "type 'python', not of 'whitebox'",
+    ),
+    ({"agent": {"type": "python"}}, ("agent",), "agent.entry_point is required"),
+    (
+        {"agent": {"type": "python", "entry_point": "os:system"}},
+        ("agent", "entry_point"),
+        "'os' is not on the plug-in allow-list",
+    ),
+    ({"agent": {**PYTHON_AGENT, "deadline_s": 30}}, ("agent", "deadline_s"), "no deadline"),
+    ({"agent": {**PYTHON_AGENT, "reward": "agent"}}, ("agent", "reward"), "python agent's"),
+    (
+        {"envs": [{"id": "agentflow/guess-number-v0", "reward": "agentflow.no_such:f"}]},
+        ("envs", 0, "reward"),
+        "cannot import 'agentflow.no_such'",
+    ),
+    (
+        {"envs": [{"id": "agentflow/guess-number-v0", "reward": "agentflow.plugins"}]},
+        ("envs", 0, "reward"),
+        "must look like 'package.module:function'",
+    ),
+    (
+        {"rollout": {"hooks": ["agentflow.plugins:call", "agentflow.plugins:nothing"]}},
+        ("rollout", "hooks", 1),
+        "has no attribute 'nothing'",
+    ),
+    (
+        {"rollout": {"hooks": ["agentflow.plugins:MODULES_ENV_VAR"]}},
+        ("rollout", "hooks", 0),
+        "is str, not callable",
+    ),
+]
 
 
 def test_minimal_config_fills_defaults() -> None:
@@ -17,9 +107,65 @@ def test_minimal_config_fills_defaults() -> None:
     assert config.model.init.layers == 4
 
 
+def test_examples_are_found() -> None:
+    assert {p.name for p in EXAMPLES} >= {"quickstart.toml", "guess-number-rollout.toml"}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_shipped_config_parses(path: Path) -> None:
-    assert load_run_config(path).name
+    config = load_run_config(path)
+    # What the gateway stores (every field explicit) parses again: a restart reloads it.
+    assert RunConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+@pytest.mark.parametrize(("patch", "loc"), NOT_AVAILABLE, ids=lambda v: str(v))
+def test_planned_options_are_refused_as_not_available(
+    patch: dict[str, Any], loc: tuple[str | int, ...]
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        RunConfig.model_validate({**BASE, **patch})
+    error = info.value.errors()[0]
+    assert error["loc"] == loc
+    assert "is not available yet" in error["msg"]
+
+
+@pytest.mark.parametrize(("patch", "loc", "says"), REFUSED, ids=lambda v: str(v))
+def test_options_that_would_do_nothing_are_refused(
+    patch: dict[str, Any], loc: tuple[str | int, ...], says: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        RunConfig.model_validate({**BASE, **patch})
+    error = info.value.errors()[0]
+    assert error["loc"] == loc
+    assert says in error["msg"]
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"trainer": {"algorithm": "ppo", "backend": "torch", "kl_coef": 0.0}},
+        {"trainer": {"device": "cuda:1"}, "engine": {"type": "local", "device": "cuda"}},
+        {"weights": {"sync": "disk", "dir": "/w"}},
+        {"rollout": {"interrupt": "abort", "partial_rollout": True}},
+        {"agent": {"type": "http", "url": "http://a:1", "reward": "external", "deadline_s": 60}},
+        {"agent": {"type": "container", "command": ["x"], "reward": "agent", "deadline_s": 3600}},
+        {"agent": {"type": "whitebox", "system_prompt": "be brief", "deadline_s": 600}},
+        {"engine": {"type": "sglang", "urls": ["http://r:1"]}, "model": {"path": "/ckpt"}},
+        {"envs": [{"id": "agentflow/guess-number-v0", "kwargs": {"low": 1}}]},
+        {"warm_start": {"enabled": True}},
+        {"envs": [{"id": "agentflow/lookup-v0"}], "warm_start": {"enabled": True, "p_oracle": 1}},
+        {"teachers": []},
+        {"agent": {**PYTHON_AGENT, "max_turns": 3}},
+        {
+            "envs": [{"id": "agentflow/guess-number-v0", "reward": "agentflow.plugins:call"}],
+            "rollout": {"hooks": ["agentflow.plugins:call"]},
+        },
+    ],
+    ids=lambda v: str(v),
+)
+def test_options_that_work_are_accepted(patch: dict[str, Any]) -> None:
+    config = RunConfig.model_validate({**BASE, **patch})
+    assert RunConfig.model_validate(config.model_dump(mode="json")) == config
 
 
 @pytest.mark.parametrize(
@@ -28,7 +174,7 @@ def test_every_shipped_config_parses(path: Path) -> None:
         ({"model": {"init": {"hidden": 100, "heads": 3}}}, ("model", "init")),
         ({"engine": {"type": "sglang", "urls": []}}, ("engine", "sglang", "urls")),
         ({"agent": {"type": "http"}}, ("agent",)),
-        ({"teachers": [{"name": "t"}]}, ("teachers", 0)),
+        ({"teachers": [{"name": "t"}]}, ("teachers",)),  # any entry: not available yet
         ({"trainer": {"lr": 0}}, ("trainer", "lr")),
         ({"name": "has space"}, ("name",)),
     ],
@@ -37,6 +183,25 @@ def test_bad_fields_are_named(patch: dict[str, object], loc: tuple[object, ...])
     with pytest.raises(ValidationError) as info:
         RunConfig.model_validate({"name": "r", "envs": [{"id": "a/B-v0"}], **patch})
     assert info.value.errors()[0]["loc"] == loc
+
+
+def test_a_stored_config_read_unloaded_imports_no_plugin() -> None:
+    document = {
+        **BASE,
+        "envs": [{"id": "agentflow/guess-number-v0", "reward": "agentflow.no_such:f"}],
+        "agent": {"type": "python", "entry_point": "os:system"},
+        "rollout": {"hooks": ["this:d"], "group_size": 4},
+    }
+    with pytest.raises(ValidationError) as info:
+        RunConfig.model_validate(document)
+    assert [e["loc"] for e in info.value.errors()] == [
+        ("envs", 0, "reward"),
+        ("agent", "entry_point"),
+        ("rollout", "hooks", 0),
+    ]
+    # A finished run's stream reads its stored config for the settings alone.
+    config = RunConfig.model_validate(document, context=UNLOADED)
+    assert config.agent.entry_point == "os:system" and config.rollout.group_size == 4
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:

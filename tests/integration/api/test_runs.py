@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import httpx
 import pytest
@@ -10,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from agentflow.client import AsyncClient
 from agentflow.db.models import Run
 from agentflow.errors import Conflict, InvalidInput, NotFound
+from tests.unit.test_run_config import BASE, NOT_AVAILABLE, REFUSED
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +90,28 @@ async def test_bad_config_names_the_field(
     assert loc in [d["loc"] for d in response.json()["detail"]]
 
 
+@pytest.mark.parametrize(("patch", "loc"), NOT_AVAILABLE, ids=lambda v: str(v))
+async def test_planned_options_are_refused_naming_the_field(
+    http: httpx.AsyncClient, patch: dict[str, Any], loc: tuple[str | int, ...]
+) -> None:
+    response = await http.post("/v1/runs", json={**BASE, **patch}, params={"start": "false"})
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert [d["loc"] for d in detail] == [["body", *loc]]
+    assert "is not available yet" in detail[0]["msg"]
+
+
+@pytest.mark.parametrize(("patch", "loc", "says"), REFUSED, ids=lambda v: str(v))
+async def test_options_that_would_do_nothing_are_refused_naming_the_field(
+    http: httpx.AsyncClient, patch: dict[str, Any], loc: tuple[str | int, ...], says: str
+) -> None:
+    response = await http.post("/v1/runs", json={**BASE, **patch}, params={"start": "false"})
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert [d["loc"] for d in detail] == [["body", *loc]]
+    assert says in detail[0]["msg"]
+
+
 async def test_unknown_env_is_refused(api: AsyncClient) -> None:
     with pytest.raises(InvalidInput) as info:
         await api.create_run({"name": "r", "envs": [{"id": "no-such-env"}]}, start=False)
@@ -121,3 +145,59 @@ async def test_builtin_env_ids_need_no_registration(api: AsyncClient) -> None:
         await api.create_run(
             {"name": "quick", "envs": [{"id": "agentflow/no-such-v0"}]}, start=False
         )
+
+
+async def test_kwargs_for_a_registered_env_are_refused(api: AsyncClient) -> None:
+    env_name = await _env(api)
+    with pytest.raises(InvalidInput) as info:
+        await api.create_run(
+            {"name": "r", "envs": [{"id": env_name, "kwargs": {"low": 3}}]}, start=False
+        )
+    assert info.value.field == ("body", "envs", "0", "kwargs")
+
+
+async def test_the_gateway_refuses_a_warm_start(http: httpx.AsyncClient) -> None:
+    body = {**BASE, "warm_start": {"enabled": True}}
+    response = await http.post("/v1/runs", json=body, params={"start": "false"})
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", "warm_start", "enabled"]
+    assert "agentflow sft" in detail["msg"]
+
+
+async def test_plugins_come_from_allowed_modules_only(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = {
+        **BASE,
+        "envs": [{"id": BASE["envs"][0]["id"], "reward": "tests.support.plugins:text_length"}],
+        "rollout": {"hooks": ["tests.support.plugins:record_event"]},
+    }
+    response = await http.post("/v1/runs", json=body, params={"start": "false"})
+    assert response.status_code == 422, response.text
+    assert [d["loc"] for d in response.json()["detail"]] == [
+        ["body", "envs", 0, "reward"],
+        ["body", "rollout", "hooks", 0],
+    ]
+    assert "not on the plug-in allow-list" in response.json()["detail"][0]["msg"]
+    monkeypatch.setenv("AGENTFLOW_PLUGIN_MODULES", "tests.support")
+    response = await http.post("/v1/runs", json=body, params={"start": "false"})
+    assert response.status_code == 201, response.text
+    config = response.json()["config"]
+    assert config["envs"][0]["reward"] == "tests.support.plugins:text_length"
+    assert config["rollout"]["hooks"] == ["tests.support.plugins:record_event"]
+
+
+async def test_an_agent_factory_that_makes_no_agent_fails_the_start(
+    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTFLOW_PLUGIN_MODULES", "tests.support")
+    name = f"no-agent-{uuid.uuid4().hex[:8]}"
+    agent = {"type": "python", "entry_point": "tests.support.plugins:not_an_agent"}
+    response = await http.post("/v1/runs", json={**BASE, "name": name, "agent": agent})
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", "agent", "entry_point"]
+    assert "returned an instance of 'object', which has no async run(episode)" in detail["msg"]
+    (run,) = (await http.get("/v1/runs", params={"name": name})).json()["items"]
+    assert run["status"] == "failed" and "has no async run(episode)" in run["error"]

@@ -21,8 +21,8 @@ from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
 from agentflow.tokenization.chat import ByteChatTemplate
 from envs import registry
-from tests.integration.rollout.instant_engine import InstantEngine
 from tests.integration.rollout.scripted_envs import BrokenEnv, HangingEnv, SlowEnv
+from tests.support.engine import MockEngine
 
 pytestmark = pytest.mark.integration
 
@@ -69,10 +69,11 @@ async def executor_for(
             session.add(run)
             await session.flush()
             run_id = run.id
-        engine = InstantEngine(delay_s=delay)
+        # Answers at once ("7" then the stop id): these tests are about admission.
+        engine = MockEngine(delay_s=delay, extra={"max_batch_size": 8})
         template = ByteChatTemplate()
         runtime = PolicyRuntime(
-            engine,  # type: ignore[arg-type]
+            engine,
             template,
             sampling=SamplingParams(max_new_tokens=4, stop_token_ids=template.stop_ids),
             partial_rollout=config.rollout.partial_rollout,

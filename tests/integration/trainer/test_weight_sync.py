@@ -40,6 +40,7 @@ from trainer.weights import GatewayWeightTarget, WeightPublisher
 
 pytestmark = pytest.mark.integration
 
+ROOT = Path(__file__).resolve().parents[3]
 INIT = {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}
 PROMPT = (1, 72, 101, 108, 108, 111, 44, 32)
 
@@ -54,9 +55,10 @@ def mock_worker() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "agentflow.inference.mock_sglang",
+            sys.executable, "-m", "tests.support.mock_sglang",
             "--port", str(port), "--model-init", json.dumps(INIT), "--seed", "0",
         ],
+        cwd=ROOT,  # where `tests` is importable
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Weight updates meet running generations in `PolicyRuntime` (partial rollout, DESIGN §6)."""
+"""Weight updates meet running generations in `PolicyRuntime` (partial rollout:
+docs/architecture.md, "Asynchrony and staleness")."""
 
 from __future__ import annotations
 

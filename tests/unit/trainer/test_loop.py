@@ -13,6 +13,7 @@ import pytest
 
 from agentflow.modeling import ModelInit, build_model
 from agentflow.types import Trajectory
+from tests.support.engine import MockEngine
 from tests.unit.trainer.test_batching import make_trajectory
 from trainer.algorithms import AlgorithmConfig
 from trainer.backends.torch_backend import TorchPolicy, latest_checkpoint
@@ -52,19 +53,6 @@ class MemoryStream:
         return 0
 
 
-class Engine:
-    """A weight target that records the versions it was given."""
-
-    name = "engine"
-
-    def __init__(self) -> None:
-        self.versions: list[int] = []
-
-    async def update_weights(self, update: object) -> int:
-        self.versions.append(update.version)  # type: ignore[attr-defined]
-        return self.versions[-1]
-
-
 def _settings(root: Path, steps: int, every: int = 2) -> LoopSettings:
     return LoopSettings(
         steps=steps,
@@ -93,7 +81,7 @@ async def test_a_malformed_trajectory_is_rejected_and_training_goes_on(tmp_path:
     good = _groups(4, rng)
     bad = dataclasses.replace(good[0], id=uuid.uuid4(), logprobs=good[0].logprobs[:-1])
     stream = MemoryStream([bad, *good])
-    engine = Engine()
+    engine = MockEngine()
     policy = TorchPolicy(build_model(TINY, seed=0))
     steps: list[int] = []
 
@@ -108,7 +96,7 @@ async def test_a_malformed_trajectory_is_rejected_and_training_goes_on(tmp_path:
         LoopState(),
         on_step=on_step,
     )
-    assert state.step == 2 and steps == [1, 2] and engine.versions == [1, 2]
+    assert state.step == 2 and steps == [1, 2] and [u.version for u in engine.updates] == [1, 2]
     assert list(stream.rejected) == [bad.id]
     assert "logprobs" in stream.rejected[bad.id]
     leased_good = set(stream.leased) - {bad.id}
@@ -121,7 +109,7 @@ async def test_checkpoints_carry_unacknowledged_batches_and_resume_settles_them(
     rng = random.Random(1)
     stream = MemoryStream(_groups(6, rng))
     policy = TorchPolicy(build_model(TINY, seed=0))
-    publisher = WeightPublisher("inprocess", [Engine()])
+    publisher = WeightPublisher("inprocess", [MockEngine()])
 
     async def nothing(*_: object) -> None:
         return None
@@ -153,7 +141,7 @@ async def test_the_loop_stops_when_the_rollout_side_ended(tmp_path: Path) -> Non
         await train(
             policy,
             stream,
-            WeightPublisher("inprocess", [Engine()]),
+            WeightPublisher("inprocess", [MockEngine()]),
             _settings(tmp_path, 1),
             LoopState(),
             on_step=nothing,

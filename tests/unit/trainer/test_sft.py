@@ -6,40 +6,35 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import torch
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from agentflow.agents.actions import reply_token_ids
 from agentflow.agents.base import Budget, EpisodeHandle
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import InvalidInput
-from agentflow.inference.base import (
-    EngineInfo,
-    GenerateRequest,
-    GenerateResult,
-    PauseMode,
-    SamplingParams,
-    VersionSpan,
-    WeightUpdate,
-)
+from agentflow.inference.base import SamplingParams
 from agentflow.modeling import ModelInit, build_model, load_model
+from agentflow.run_config import AgentConfig, EnvEntry, RunConfig
 from agentflow.tokenization.chat import ByteChatTemplate
 from agentflow.types import Trajectory
 from envs import registry
 from envs.base import TextAction
+from tests.support.engine import MockEngine, replay
+from trainer.embedded import warm_start_config
 from trainer.evaluation import evaluate
 from trainer.sft import (
     SFT_METRICS_FILE,
     SftConfig,
     SftSequence,
     oracle_episodes,
-    reply_token_ids,
     run_sft,
     sft,
     sft_from_trajectories,
@@ -49,46 +44,8 @@ GUESS = "agentflow/guess-number-v0"
 TINY = ModelInit(layers=1, hidden=32, heads=2, max_context=256)
 
 
-class ReplayEngine:
-    """An Engine that answers each request with the next scripted reply (the oracle's)."""
-
-    def __init__(self, replies: list[list[int]]) -> None:
-        self.replies = list(replies)
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        out = self.replies.pop(0)
-        return GenerateResult(
-            rid=req.rid,
-            output_ids=out,
-            logprobs=[0.0] * len(out),
-            finish_reason="stop",
-            weight_versions=[VersionSpan(version=0, start=0, end=len(out))],
-            prompt_tokens=len(req.input_ids),
-        )
-
-    async def open_session(self, session_id: str | None = None) -> str:
-        return session_id or uuid.uuid4().hex
-
-    async def close_session(self, session_id: str) -> None:
-        return None
-
-    async def abort(self, rid: str) -> None:
-        return None
-
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        return None
-
-    async def resume(self) -> None:
-        return None
-
-    async def update_weights(self, update: WeightUpdate) -> int:
-        return 0
-
-    async def info(self) -> EngineInfo:
-        return EngineInfo(model="replay", vocab_size=266, max_context=4096, weight_version=0)
-
-    async def close(self) -> None:
-        return None
+def _contains(ids: Sequence[int], part: Sequence[int]) -> bool:
+    return any(list(ids[i : i + len(part)]) == list(part) for i in range(len(ids)))
 
 
 def _replies(seq: SftSequence) -> list[list[int]]:
@@ -116,16 +73,25 @@ async def sessions(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncS
     await engine.dispose()
 
 
+@pytest.mark.parametrize("system_prompt", [None, "Answer with one number."])
 @pytest.mark.parametrize(("env_id", "p_oracle"), [(GUESS, 0.35), ("agentflow/lookup-v0", 1.0)])
 async def test_oracle_episode_is_what_the_whitebox_agent_records(
-    env_id: str, p_oracle: float, sessions: async_sessionmaker[AsyncSession]
+    env_id: str,
+    p_oracle: float,
+    system_prompt: str | None,
+    sessions: async_sessionmaker[AsyncSession],
 ) -> None:
     template = ByteChatTemplate()
-    sequences = await oracle_episodes(env_id, 3, template, p_oracle=p_oracle, seed=5)
+    sequences = await oracle_episodes(
+        env_id, 3, template, p_oracle=p_oracle, seed=5, system_prompt=system_prompt
+    )
+    if system_prompt is not None:  # the prompt is in the warm start's data
+        wanted = template.tokenizer.encode(system_prompt)
+        assert all(_contains(s.token_ids, wanted) for s in sequences)
     turns = TurnTree(sessions)
     for seq in sequences:
         runtime = PolicyRuntime(
-            engine=ReplayEngine(_replies(seq)),
+            engine=MockEngine(replay(_replies(seq))),  # the oracle's replies
             template=template,
             sampling=SamplingParams(max_new_tokens=64, stop_token_ids=template.stop_ids),
             max_context=4096,
@@ -142,7 +108,9 @@ async def test_oracle_episode_is_what_the_whitebox_agent_records(
             budget=Budget(max_turns=6, max_tokens=4096),
         )
         try:
-            outcome = await WhiteBoxAgent(park_after_s=None).run(handle)
+            outcome = await WhiteBoxAgent(park_after_s=None, system_prompt=system_prompt).run(
+                handle
+            )
         finally:
             await env.close()
         assert outcome.reward == pytest.approx(seq.reward)
@@ -268,3 +236,14 @@ def test_config_bounds() -> None:
         SftConfig(epochs=0)
     with pytest.raises(ValidationError):
         SftConfig(unknown=1)  # type: ignore[call-arg]
+
+
+def test_the_warm_start_plays_as_the_runs_agent() -> None:
+    config = RunConfig(
+        name="w",
+        envs=[EnvEntry(id=GUESS)],
+        agent=AgentConfig(system_prompt="Guess.", max_turns=4, max_tokens=300, max_new_tokens=5),
+    )
+    sft_config = warm_start_config(config)
+    assert (sft_config.system_prompt, sft_config.max_turns) == ("Guess.", 4)
+    assert (sft_config.max_tokens, sft_config.max_new_tokens) == (300, 5)

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
@@ -26,32 +26,14 @@ from agentflow.api.routes.chat import turn_tree
 from agentflow.config import Settings
 from agentflow.db.models import Run
 from agentflow.db.turn_tree import TurnTree
-from agentflow.inference.base import GenerateRequest, GenerateResult, SamplingParams
+from agentflow.inference.base import SamplingParams
 from agentflow.inference.local import LocalEngine
 from agentflow.modeling import ModelInit
 from agentflow.tokenization.chat import ByteChatTemplate
+from tests.support.engine import RecordingEngine
 
 TINY = ModelInit(layers=2, hidden=64, heads=2, max_context=4096)
 T = TypeVar("T")
-
-
-@dataclass
-class SeenEngine:
-    """The engine, plus the full context each request ran on (session prefixes resolved)."""
-
-    inner: LocalEngine
-    contexts: dict[str, list[int]] = field(default_factory=dict)
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        prefix: list[int] = []
-        if req.session is not None and req.session.parent_rid is not None:
-            prefix = list(self.contexts[req.session.parent_rid])
-        result = await self.inner.generate(req)
-        self.contexts[req.rid] = prefix + list(req.input_ids) + list(result.output_ids)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class Gateway:
@@ -126,16 +108,16 @@ def gateway(sqlite_database: str) -> Iterator[Gateway]:
 
 
 @pytest.fixture(scope="session")
-def engine(gateway: Gateway) -> Iterator[SeenEngine]:
+def engine(gateway: Gateway) -> Iterator[RecordingEngine]:
     local = LocalEngine.from_init(TINY, seed=0, max_batch_size=16)
-    yield SeenEngine(local)
+    yield RecordingEngine(local)
     gateway.call(local.close())
 
 
 @pytest.fixture(scope="session")
-def runtime(engine: SeenEngine) -> PolicyRuntime:
+def runtime(engine: RecordingEngine) -> PolicyRuntime:
     return PolicyRuntime(
-        engine=engine,  # type: ignore[arg-type]
+        engine=engine,
         template=ByteChatTemplate(),
         model_name="tiny-policy",
         sampling=SamplingParams(temperature=0.0, max_new_tokens=24),
@@ -151,7 +133,7 @@ def run_id(gateway: Gateway, runtime: PolicyRuntime) -> uuid.UUID:
 @dataclass
 class Stack:
     gateway: Gateway
-    engine: SeenEngine
+    engine: RecordingEngine
     runtime: PolicyRuntime
     run_id: uuid.UUID
 
@@ -162,9 +144,9 @@ def pg_stack(pg_database: str) -> Iterator[Stack]:
     server = Gateway(pg_database)
     server.start()
     local = LocalEngine.from_init(TINY, seed=0, max_batch_size=16)
-    engine = SeenEngine(local)
+    engine = RecordingEngine(local)
     runtime = PolicyRuntime(
-        engine=engine,  # type: ignore[arg-type]
+        engine=engine,
         template=ByteChatTemplate(),
         model_name="tiny-policy",
         sampling=SamplingParams(temperature=0.0, max_new_tokens=24),

@@ -95,7 +95,7 @@ async def test_multi_turn_agent_is_recorded_call_by_call(gateway, run_id, engine
         assert stored.finish_reason in ("stop", "length")
         # The engine ran on exactly the stored context, and made exactly the stored tokens.
         context = gateway.call(gateway.turns.context(turn_id))
-        assert engine.contexts[turn_id.hex] == list(context.token_ids)
+        assert engine.seen(turn_id.hex) == list(context.token_ids)
         assert answer.usage.prompt_tokens == len(context.token_ids) - len(stored.token_ids)
     # Later calls continue the engine session: only the new tokens are computed.
     assert answers[-1].usage.prompt_tokens_details.cached_tokens > 0
@@ -161,7 +161,7 @@ async def _streams(
     assert usage is not None and usage.completion_tokens == len(stored.token_ids)
     assert finish == [stored.finish_reason]
     context = gateway.call(gateway.turns.context(turn_id))
-    assert engine.contexts[turn_id.hex] == list(context.token_ids)
+    assert engine.seen(turn_id.hex) == list(context.token_ids)
 
     # The streamed answer, echoed back, continues the same path; non-streaming this time.
     messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "and?"}]
@@ -182,7 +182,7 @@ async def test_recording_and_branching_on_postgresql(pg_stack) -> None:
         assert [t.kind for t in path] == ["prompt", "policy", "env", "policy", "env", "policy"]
         for answer in answers:
             context = gateway.call(gateway.turns.context(turn_of(answer)))
-            assert pg_stack.engine.contexts[turn_of(answer).hex] == list(context.token_ids)
+            assert pg_stack.engine.seen(turn_of(answer).hex) == list(context.token_ids)
         messages = played["messages"][:5]
         messages[4] = {**messages[4], "content": "nobody"}
         branched = await client.chat.completions.create(
