@@ -44,12 +44,7 @@ def test_http_agent_run_through_the_api(
             },
         )
         assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{url}/v1/runs/{run_id}").json()["status"] != "finished":
-            assert time.monotonic() < deadline, "run did not finish"
-            time.sleep(0.2)
-        episodes = httpx.get(f"{url}/v1/runs/{run_id}/episodes").json()["items"]
+        episodes = _finished_episodes(url, created.json()["id"])
         assert [(e["status"], e["reward"]) for e in episodes] == [("completed", 1.0)] * 2
         tree = httpx.get(f"{url}/v1/episodes/{episodes[0]['id']}").json()
         assert tree["trajectories"] and tree["roots"][0]["kind"] == "prompt"
@@ -83,12 +78,7 @@ def test_a_reward_function_rescores_black_box_episodes(
             },
         )
         assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{url}/v1/runs/{run_id}").json()["status"] != "finished":
-            assert time.monotonic() < deadline, "run did not finish"
-            time.sleep(0.2)
-        episodes = httpx.get(f"{url}/v1/runs/{run_id}/episodes").json()["items"]
+        episodes = _finished_episodes(url, created.json()["id"])
         assert [e["status"] for e in episodes] == ["completed"] * 2
         for episode in episodes:
             tree = httpx.get(f"{url}/v1/episodes/{episode['id']}").json()
@@ -100,3 +90,13 @@ def test_a_reward_function_rescores_black_box_episodes(
             # The reward is the length of the episode's final text, decoded by the gateway.
             assert episode["reward"] == len(ByteTokenizer().decode(tokens)) > 100
             assert [t["reward"] for t in tree["trajectories"]] == [episode["reward"]]
+
+
+def _finished_episodes(url: str, run_id: str) -> list[dict[str, Any]]:
+    """The run's episodes once the run has finished."""
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/v1/runs/{run_id}").json()["status"] != "finished":
+        assert time.monotonic() < deadline, "run did not finish"
+        time.sleep(0.2)
+    items: list[dict[str, Any]] = httpx.get(f"{url}/v1/runs/{run_id}/episodes").json()["items"]
+    return items
