@@ -132,8 +132,6 @@ def reachable(modules: dict[str, Path]) -> set[str]:
     for script in sorted(MIGRATIONS.resolve().rglob("*.py")) if MIGRATIONS.exists() else []:
         start |= set(ModuleFacts("agentflow._migrations.script", script).imports())
     start |= {name for name, f in facts.items() if f.is_entry_point()}
-    for f in facts.values():
-        start |= set(f.run_with_dash_m()) | set(f.dotted_paths())
     seen: set[str] = set()
     todo = [m for m in start if m in modules]
     while todo:
@@ -144,7 +142,10 @@ def reachable(modules: dict[str, Path]) -> set[str]:
         parts = name.split(".")
         # Importing a module runs every package above it.
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]
-        todo += [m for m in facts[name].imports() if m in modules and m not in seen]
+        # What a reached module imports, names as a dotted path, or runs with `-m`.
+        f = facts[name]
+        named = {*f.imports(), *f.dotted_paths(), *f.run_with_dash_m()}
+        todo += [m for m in named if m in modules and m not in seen]
     return seen
 
 
