@@ -508,14 +508,7 @@ def check_warm_start_env(env_id: str, p_oracle: float) -> None:
         raise ValueError(f"the warm start needs a scripted oracle, and {env_id!r} has none")
     if p_oracle >= 1.0:
         return
-    noisy = False
-    if isinstance(entry.oracle, str):
-        try:
-            registry.load_entry_point(f"{entry.oracle.partition(':')[0]}:noisy_oracle")
-            noisy = True
-        except EnvError:
-            pass
-    if not noisy:
+    if registry.noisy_oracle_factory(env_id) is None:
         raise ValueError(
             f"{env_id!r} has no noisy oracle (its module has no `noisy_oracle`): "
             "set warm_start.p_oracle = 1"

@@ -169,6 +169,20 @@ def oracle(env_id: str) -> OraclePolicy:
     return policy
 
 
+def noisy_oracle_factory(env_id: str) -> Callable[[float, int], OraclePolicy] | None:
+    """The ``noisy_oracle(p_oracle, seed)`` beside ``env_id``'s registered oracle (a warm
+    start's imperfect scripted player), or None when its module has none."""
+    entry = spec(env_id)
+    if not isinstance(entry.oracle, str):
+        return None
+    module = entry.oracle.partition(":")[0]
+    try:
+        factory: Callable[[float, int], OraclePolicy] = load_entry_point(f"{module}:noisy_oracle")
+    except EnvConfigError:
+        return None
+    return factory
+
+
 def register_kind_resolver(kind: str, resolver: Callable[[Any], Env]) -> None:
     """Let another module resolve specs of ``kind`` (``browser``, ``desktop``)."""
     _kind_resolvers[kind] = resolver

@@ -28,7 +28,6 @@ only 0.35-0.37 in the same number of epochs: many small steps matter more than s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
@@ -49,7 +48,6 @@ from agentflow.modeling import ModelInit, build_model, load_model, save_model
 from agentflow.tokenization.chat import ChatTemplate, chat_template_for
 from agentflow.types import Trajectory
 from envs import registry
-from envs.base import EnvConfigError
 from trainer.evaluation import evaluate
 
 if TYPE_CHECKING:
@@ -79,18 +77,12 @@ def noisy_policy(env_id: str, p_oracle: float, seed: int) -> OraclePolicy:
     it has one, else the registered oracle (only allowed with `p_oracle == 1`)."""
     if p_oracle >= 1.0:
         return registry.oracle(env_id)
-    entry = registry.spec(env_id)
-    make_noisy = None
-    if isinstance(entry.oracle, str):
-        module = entry.oracle.partition(":")[0]
-        with contextlib.suppress(EnvConfigError):
-            make_noisy = registry.load_entry_point(f"{module}:noisy_oracle")
+    make_noisy = registry.noisy_oracle_factory(env_id)
     if make_noisy is None:
         raise InvalidInput(
             f"env {env_id!r} has no noisy oracle: use p_oracle = 1", field="p_oracle"
         )
-    policy: OraclePolicy = make_noisy(p_oracle, seed)
-    return policy
+    return make_noisy(p_oracle, seed)
 
 
 async def _oracle_episode(
