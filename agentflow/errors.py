@@ -5,6 +5,7 @@
      ├── Unauthorized                 401  missing or wrong API key
      ├── NotFound                     404  an id that does not exist
      ├── Conflict                     409  a duplicate, or a state that forbids the action
+     │    └── WeightsNotFound         409  a run's newest published weights are gone
      ├── CapacityExceeded             503  a concurrency cap is full; retry later
      ├── SchemaOutOfDate              503  the database needs `agentflow db upgrade`
      ├── EnvTimeout                   504  an environment did not answer a step in time
@@ -47,6 +48,10 @@ class NotFound(AgentFlowError):
 
 class Conflict(AgentFlowError):
     status_code = 409
+
+
+class WeightsNotFound(Conflict):
+    """A run cannot start again: the newest weights it served are nowhere to load from."""
 
 
 class CapacityExceeded(AgentFlowError):

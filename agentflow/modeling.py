@@ -12,6 +12,7 @@ torch and transformers are imported inside the functions: importing this module 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +26,37 @@ if TYPE_CHECKING:
 
 # Written next to the weights so a saved model can be reloaded with its tokenizer kind.
 MODEL_INIT_FILE = "agentflow_model_init.json"
+
+_import_lock = threading.Lock()
+_imported = False
+
+
+def import_model_classes() -> None:
+    """Import the transformers names engines and trainers use, once, under a lock.
+
+    transformers resolves its top-level names lazily, and that first resolution is not
+    thread-safe: two threads importing `LlamaForCausalLM` at once can each get an
+    ImportError. Runs that start together (recovery after a crash) build their engines
+    in parallel threads, so each build calls this first; afterwards the names are plain
+    attributes and any thread may import them.
+    """
+    global _imported
+    with _import_lock:
+        if _imported:
+            return
+        import transformers
+        from transformers.integrations import sdpa_attention  # noqa: F401
+
+        for name in (
+            "AttentionInterface",
+            "AutoModelForCausalLM",
+            "AutoTokenizer",
+            "LlamaConfig",
+            "LlamaForCausalLM",
+            "PreTrainedModel",
+        ):
+            getattr(transformers, name)
+        _imported = True
 
 
 class ModelInit(BaseModel):

@@ -124,7 +124,7 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
     engine = create_engine(url)
     turns = TurnTree(session_factory(engine))
     settings = Settings(database_url=url)
-    manager = RunManager(turns, RuntimeRegistry(), settings)
+    manager = RunManager(turns, RuntimeRegistry(), settings, trainer_in_process=True)
     report = RunReport(directory, config.trainer.steps)
     report.write_config(config.model_dump(mode="json"))
     started = time.perf_counter()

@@ -23,6 +23,9 @@ from agentflow.errors import NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES
 
 LIVE_RUN_STATUSES = ("running", "paused")
+# The uri of a version a trainer handed over as tensors in its own process: its weights
+# are nowhere on disk, so only that trainer (from its checkpoint) can bring them back.
+IN_PROCESS_URI = "inprocess"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,15 @@ class RestorePoint:
     version: int
     groups_admitted: int
     groups_taken: int
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    """A weight version and where it was published: a directory for `disk` sync, or
+    `IN_PROCESS_URI` when the trainer handed the tensors over in its own process."""
+
+    version: int
+    uri: str
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,20 @@ class RunStore:
                 .order_by(WeightVersion.version)
             )
             return list(rows)
+
+    async def newest_weights(self, run_id: uuid.UUID) -> PublishedWeights | None:
+        """The newest version the run's engines served and where it was published; None
+        while the run still serves its initial weights."""
+        async with self.sessions() as session:
+            row = (
+                await session.execute(
+                    select(WeightVersion.version, WeightVersion.uri)
+                    .where(WeightVersion.run_id == run_id)
+                    .order_by(WeightVersion.version.desc())
+                    .limit(1)
+                )
+            ).first()
+        return None if row is None else PublishedWeights(int(row[0]), str(row[1]))
 
     # ---- restarts -------------------------------------------------------------------
 

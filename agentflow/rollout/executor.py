@@ -43,7 +43,7 @@ from typing import Literal
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.db.runs import RunStore
+from agentflow.db.runs import IN_PROCESS_URI, RunStore
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict
 from agentflow.inference.base import WeightUpdate
@@ -170,7 +170,7 @@ class RunExecutor:
         seconds = asyncio.get_running_loop().time() - started
         self.counters.weight_updates += 1
         self.counters.update_seconds += seconds
-        uri = update.path or "inprocess"
+        uri = update.path or IN_PROCESS_URI
         await self.runs.record_version(self.run_id, version, uri, {"switch_seconds": seconds})
         self.weight_version = version
         if self.gate is not None:

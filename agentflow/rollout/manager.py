@@ -7,6 +7,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from pydantic import ValidationError
@@ -18,9 +19,9 @@ from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
-from agentflow.db.runs import RunStore
+from agentflow.db.runs import IN_PROCESS_URI, RunStore
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict, InvalidInput
+from agentflow.errors import Conflict, InvalidInput, WeightsNotFound
 from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
 from agentflow.metrics import GatewayMetrics
 from agentflow.plugins import load_function
@@ -43,8 +44,12 @@ class RunManager:
         *,
         live: LiveEpisodes | None = None,
         metrics: GatewayMetrics | None = None,
+        trainer_in_process: bool = False,
     ) -> None:
         self.turns = turns
+        # The embedded trainer shares this process: after a crash it republishes its
+        # checkpoint, so a version it handed over in process is not lost for good.
+        self.trainer_in_process = trainer_in_process
         self.sessions = turns.sessions
         self.runs = RunStore(turns.sessions)
         self.live_episodes = live or LiveEpisodes()
@@ -85,6 +90,12 @@ class RunManager:
                 sources = await resolve_env_sources(self.sessions, config.envs)
             agent = self._agent(config)
             runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
+            try:
+                await self._load_newest_weights(run_id, runtime)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await runtime.engine.close()
+                raise
         except Exception as exc:
             # The run is stored: record why it never started rather than leave it pending.
             await self._mark_failed(run_id, f"could not start: {type(exc).__name__}: {exc}")
@@ -105,6 +116,27 @@ class RunManager:
         self.executors[run_id] = executor
         self._streams[run_id] = executor.trajectory_stream()
         await executor.start(paused=paused)
+
+    async def _load_newest_weights(self, run_id: uuid.UUID, runtime: PolicyRuntime) -> None:
+        """A run that served published weights before (a restart after a crash, a resume)
+        serves the newest of them again, loaded from where it was published, before its
+        engine takes a request; its tokens then carry that version, not 0."""
+        newest = await self.runs.newest_weights(run_id)
+        if newest is None:
+            return
+        lost = f"its newest weights (version {newest.version}) "
+        if newest.uri == IN_PROCESS_URI:
+            if self.trainer_in_process:
+                return  # that trainer republishes its checkpoint before it trains on
+            raise WeightsNotFound(
+                lost + "were handed over inside a trainer process that is gone; "
+                "no directory holds them"
+            )
+        if not Path(newest.uri).is_dir():
+            raise WeightsNotFound(lost + f"are no longer at {newest.uri}")
+        update = WeightUpdate(path=newest.uri, version=newest.version)
+        await runtime.engine.update_weights(update)
+        log.info("run %s: loaded weight version %d from %s", run_id, newest.version, newest.uri)
 
     async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
         """The run's trajectory stream; a finished run's stored config still serves one."""
@@ -232,6 +264,9 @@ def _python_agent(config: RunConfig) -> Agent:
 
 def _build_runtime(config: RunConfig) -> PolicyRuntime:
     from agentflow.inference.factory import build_engine, build_template
+    from agentflow.modeling import import_model_classes
+
+    import_model_classes()  # runs recovering together build engines in parallel threads
 
     template = build_template(config)
     engine, max_context = build_engine(config)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -65,3 +68,29 @@ def test_score_temperatures():
     assert score(model, ids, start=4) == []
     with pytest.raises(InvalidInput):
         score(model, ids, start=0)
+
+
+# A fresh interpreter: transformers resolves its top-level names lazily, and the race
+# is in the first resolution of each name.
+_SCRIPT = """
+import threading
+from agentflow.modeling import import_model_classes
+errors = []
+def build():
+    try:
+        import_model_classes()
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=build) for _ in range(6)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(errors)
+"""
+
+
+def test_model_classes_import_safely_from_concurrent_threads() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

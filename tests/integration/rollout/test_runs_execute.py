@@ -199,3 +199,59 @@ async def test_a_run_that_cannot_start_is_refused_and_recorded(gateway: Any) -> 
     assert response.json()["detail"][0]["loc"] == ["body", "model", "path"]
     (run,) = (await api.list_runs(name=config["name"])).items
     assert run.status == "failed" and "config.json missing" in (run.error or "")
+
+
+def _weights(directory: Any, version: int) -> str:
+    """An HF-format directory of the tiny model's weights, as a trainer publishes one."""
+    from agentflow.modeling import ModelInit, build_model, save_model
+
+    path = directory / f"v{version:06d}"
+    save_model(build_model(ModelInit(**TINY_MODEL["init"]), seed=version), path)
+    return str(path)
+
+
+async def _published_run(settings: Settings, tmp_path: Any) -> tuple[uuid.UUID, str]:
+    """A live run whose engine has switched to versions 1 and 2; the gateway then stops
+    with the run still marked running, as a crash leaves it."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+            run = await client.create_run(_config("test/Slow-v0"))
+            for version in (1, 2):
+                path = _weights(tmp_path, version)
+                assert await client.update_weights(run.id, version, path) == version
+    return run.id, path
+
+
+async def test_a_restarted_run_serves_its_newest_published_weights(
+    settings: Settings, tmp_path: Any
+) -> None:
+    run_id, _ = await _published_run(settings, tmp_path)
+    app = create_app(settings)  # the restart
+    async with app.router.lifespan_context(app):
+        executor = await app.state.run_manager.live(run_id)
+        info = await app.state.runtimes.get(run_id).engine.info()
+        assert info.weight_version == executor.weight_version == 2
+        await executor.stop("test over")
+
+
+async def test_a_run_whose_newest_weights_are_gone_fails_with_that_reason(
+    settings: Settings, tmp_path: Any
+) -> None:
+    import shutil
+
+    run_id, newest = await _published_run(settings, tmp_path)
+    shutil.rmtree(newest)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+
+            async def failed() -> bool:
+                return (await client.get_run(run_id)).status == "failed"
+
+            await _until(failed)
+            error = (await client.get_run(run_id)).error or ""
+            assert "version 2" in error and "no longer at" in error, error
+            assert run_id not in app.state.runtimes
