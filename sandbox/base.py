@@ -10,7 +10,8 @@ Exceptions::
     SandboxError                  anything the sandbox itself could not do
     ├── SandboxUnavailable        the backend cannot start here (no bwrap, no docker engine)
     ├── SandboxClosed             the sandbox was used after close()
-    └── SandboxFileError          a file path escapes the work dir, or the file is missing/too big
+    └── SandboxFileError          a file path escapes the work dir, the file is missing/too big,
+                                  or the work dir is full
 
 A command that fails, times out or runs out of memory is *not* an exception: it is an
 :class:`ExecResult` with the matching :class:`ExecStatus`.
@@ -49,6 +50,19 @@ class SandboxLimits(BaseModel):
     max_file_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, le=16 * 1024**3, description="Largest file written."
     )
+    max_workdir_bytes: int = Field(
+        default=1024**3,
+        ge=1024 * 1024,
+        le=64 * 1024**3,
+        description="Total bytes the work dir may hold; it lives in memory (tmpfs), so this "
+        "is also added to the sandbox's memory cgroup limit.",
+    )
+    max_workdir_files: int = Field(
+        default=100_000,
+        ge=16,
+        le=10_000_000,
+        description="Files and directories the work dir may hold (its inode cap).",
+    )
 
 
 class ExecResult(BaseModel):
@@ -77,7 +91,8 @@ class SandboxClosed(SandboxError):
 
 
 class SandboxFileError(SandboxError):
-    """A file path is invalid (absolute, escapes the work dir), missing, or too large."""
+    """A file path is invalid (absolute, escapes the work dir), missing, too large, or the
+    work dir is full."""
 
 
 Command = Sequence[str] | str

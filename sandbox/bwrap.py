@@ -8,6 +8,13 @@ What it isolates
       ...; never ``shadow``, never ``/root`` or home directories), a fresh ``/dev`` and
       ``/proc``, a private size-capped tmpfs ``/tmp``, and its work dir at ``/work``,
       the only host directory it can write. The root is remounted read-only.
+    * Work-dir size: where this process may mount (root or ``CAP_SYS_ADMIN``), the work
+      dir is a tmpfs mounted on the host with ``size=`` and ``nr_inodes=``
+      (``max_workdir_bytes``, ``max_workdir_files``), so writing past either cap fails
+      with ``ENOSPC`` inside and never touches the host disk. Its pages live in memory
+      and are charged to the sandbox's memory cgroup, whose limit is therefore
+      ``memory_mb + max_workdir_bytes``; ``RLIMIT_AS`` still holds each process at
+      ``memory_mb``. The tmpfs is unmounted on close (and by the finalizer).
     * Identity: runs as uid/gid 65534 (``nobody``) inside a new user namespace; when the
       host process is root, bwrap itself is started as host uid 65534 too, so even an
       escape from the namespaces lands as ``nobody``. All capabilities are dropped, new
@@ -28,8 +35,15 @@ What it isolates
 What it does not isolate
     * The kernel: it is shared; a kernel exploit escapes (use the Docker backend in a VM,
       or a VM, for hostile code that may carry one).
-    * Total disk use of the work dir (only per-file size is capped) and CPU share (no CPU
-      quota; RLIMIT_CPU bounds each process's total CPU time, wall time bounds the tree).
+    * Total disk use of the work dir where this process may not mount (not root, no
+      ``CAP_SYS_ADMIN``): the work dir is then a plain host directory and only per-file
+      size is capped; ``workdir_capped`` says which applies.
+    * Memory of files put in with ``write_file``: the host process writes them, so the
+      kernel charges them to the caller's own memory cgroup, not the sandbox's (they
+      still count against ``max_workdir_bytes``). Processes of one sandbox together may
+      use ``memory_mb`` plus whatever part of ``max_workdir_bytes`` its files leave free.
+    * CPU share (no CPU quota; RLIMIT_CPU bounds each process's total CPU time, wall time
+      bounds the tree).
     * Timing side channels, ``/usr`` contents (readable, e.g. installed source code), and
       the host's kernel information in ``/proc`` such as ``/proc/cpuinfo``.
 """
@@ -55,6 +69,7 @@ from sandbox.base import (
     ExecResult,
     ExecStatus,
     SandboxClosed,
+    SandboxError,
     SandboxLimits,
     SandboxUnavailable,
 )
@@ -70,6 +85,7 @@ from sandbox.commands import (
     timeout_of,
 )
 from sandbox.process import ProcessRun, run_captured
+from sandbox.tmpfs import mount_tmpfs, unmount
 from sandbox.workdir import list_files, read_beneath, write_beneath
 
 NOBODY = 65534
@@ -110,10 +126,17 @@ def _check_traversable(root: Path) -> None:
             raise ValueError(f"workdir_root {root}: {d} is not searchable by uid {NOBODY}")
 
 
-def _release(workdir: str, cgroup: SandboxCgroup | None) -> None:
-    if cgroup:
-        cgroup.remove()
-    shutil.rmtree(workdir, ignore_errors=True)
+def _release(workdir: str, cgroup: SandboxCgroup | None, mounted: bool) -> None:
+    try:
+        if cgroup:
+            cgroup.kill_all()  # nothing left to write into, or hold open, the work dir
+        if mounted:
+            # Before the cgroup goes: the tmpfs pages are charged to it until freed here.
+            unmount(workdir)
+    finally:
+        if cgroup:
+            cgroup.remove()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 class BwrapSandbox:
@@ -153,21 +176,57 @@ class BwrapSandbox:
         if self._as_root:
             _check_traversable(root)
         self.workdir = tempfile.mkdtemp(prefix=f"sbx-{self.id}-", dir=root)
-        if self._owner:
-            os.chown(self.workdir, *self._owner)
         self.cgroup: SandboxCgroup | None = None
-        if use_cgroup:
-            self.cgroup = create_cgroup(f"agentflow-sandbox-{self.id}", cgroup_parent)
-        if self.cgroup:
-            self.cgroup.set_limits(self.limits.memory_mb * 1024 * 1024, self.limits.max_processes)
+        self._workdir_capped = False
+        try:
+            self._workdir_capped = self._mount_workdir()
+            if self._owner and not self._workdir_capped:
+                os.chown(self.workdir, *self._owner)
+            if use_cgroup:
+                self.cgroup = create_cgroup(f"agentflow-sandbox-{self.id}", cgroup_parent)
+            if self.cgroup:
+                self.cgroup.set_limits(self._cgroup_memory_bytes(), self.limits.max_processes)
+        except BaseException:
+            _release(self.workdir, self.cgroup, self._workdir_capped)
+            raise
         self._closed = False
-        # A sandbox dropped without close() still gives back its cgroup and work dir.
-        self._finalizer = weakref.finalize(self, _release, self.workdir, self.cgroup)
+        # A sandbox dropped without close() still gives back its cgroup, mount and work dir.
+        self._finalizer = weakref.finalize(
+            self, _release, self.workdir, self.cgroup, self._workdir_capped
+        )
+
+    def _mount_workdir(self) -> bool:
+        """Put the work dir on a capped tmpfs; False where this process may not mount."""
+        uid, gid = self._owner or (os.getuid(), os.getgid())
+        try:
+            return mount_tmpfs(
+                self.workdir,
+                size_bytes=self.limits.max_workdir_bytes,
+                max_inodes=self.limits.max_workdir_files + 1,  # the root dir takes one
+                uid=uid,
+                gid=gid,
+            )
+        except OSError as exc:
+            raise SandboxError(f"could not mount the work dir {self.workdir}: {exc}") from exc
+
+    def _cgroup_memory_bytes(self) -> int:
+        memory = self.limits.memory_mb * 1024 * 1024
+        if self._workdir_capped:
+            # The work dir's pages are charged here too. Giving them their own budget on
+            # top makes a growing work dir stop at ENOSPC (the tmpfs cap) instead of
+            # getting the command OOM-killed, and keeps memory_mb for the processes.
+            memory += self.limits.max_workdir_bytes
+        return memory
 
     @property
     def cgroup_enforced(self) -> bool:
         """True when memory and process count are bounded for the whole tree."""
         return self.cgroup is not None
+
+    @property
+    def workdir_capped(self) -> bool:
+        """True when the kernel caps the work dir's total bytes and file count."""
+        return self._workdir_capped
 
     # -- exec ---------------------------------------------------------------------------
 

@@ -1,18 +1,27 @@
 """The Docker backend: one long-lived container per sandbox, driven by the docker SDK.
 
-The container runs ``sleep infinity`` under docker's init; every exec is a ``docker
-exec`` of ``timeout -s KILL <t> <cmd>`` with an outer deadline on our side, and files go
-in and out with ``put_archive``/``get_archive`` through a per-sandbox volume at ``/work``
-(a size-capped tmpfs volume, because archives cannot be put into a read-only root).
+The container runs ``sleep infinity`` under docker's init, both as uid 65533, out of reach
+of the commands' ``kill -9 -1`` clean-up (run as 65534); every exec is a ``docker
+exec`` of ``timeout -s KILL <t> sh -c 'ulimit -v ...' <cmd>`` with an outer deadline on
+our side, and files go in and out with ``put_archive``/``get_archive`` through a
+per-sandbox volume at ``/work``: a tmpfs volume capped by ``size=`` and ``nr_inodes=``
+(``max_workdir_bytes``, ``max_workdir_files``). It is a volume rather than a ``tmpfs=``
+mount because archives can be put into a volume but not into a container's tmpfs mount
+or read-only root.
 
 What it isolates
     * Everything the container runtime isolates: own mount, PID, IPC, UTS and network
       namespaces; ``network_mode="none"`` unless ``network=True``; a read-only root
-      filesystem with a private tmpfs ``/tmp`` and a size-capped ``/work``; all
-      capabilities dropped, ``no-new-privileges``; uid/gid 65534.
+      filesystem with a private tmpfs ``/tmp`` and a size- and file-capped ``/work``
+      (``ENOSPC`` past either cap); all capabilities dropped, ``no-new-privileges``;
+      commands run as uid/gid 65534.
     * Limits for the whole container: memory (``mem_limit`` = ``memswap_limit``, so no
-      swap), CPU share (``nano_cpus``), process count (``pids_limit``), per-process CPU
-      time and file size (ulimits), wall time per exec (``timeout -s KILL`` inside, and
+      swap: ``memory_mb + max_workdir_bytes``, since the work dir's tmpfs pages written
+      from inside are charged to the container), CPU share (``nano_cpus``), process
+      count (``pids_limit``), per-process address space (``memory_mb``, set by each
+      command's ``sh`` wrapper: the engine cannot take it as a container ulimit, since
+      its runtime's own init would start under it and fail), per-process CPU time and
+      file size (ulimits), wall time per exec (``timeout -s KILL`` inside, and
       an outer deadline that kills every sandbox process if the engine stalls), output
       size (the stream is cut and the command killed past ``max_output_bytes``).
 
@@ -22,7 +31,10 @@ What it does not isolate
     * Concurrent execs in one sandbox share its limits, and a kill at the output cap or
       the outer deadline kills all of that sandbox's running commands.
     * The command's stdin is staged as a file in ``/work/.sandbox/`` (the engine's exec
-      API has no simple stdin), so the command can see it there.
+      API has no simple stdin), so the command can see it there, and it takes room in
+      the work dir while the command runs.
+    * Files put in with ``write_file`` are written by the engine, so their memory is
+      charged to the engine, not the container (they still count against the caps).
 """
 
 from __future__ import annotations
@@ -63,9 +75,14 @@ DEFAULT_IMAGE = "python:3.11-slim"
 LABEL = "org.agentflow.sandbox"
 USER = "65534:65534"
 NOBODY = 65534
+# The container's own init and ``sleep infinity`` run as another unprivileged uid, so the
+# ``kill -9 -1`` (run as USER) that clears a sandbox cannot end the container with them.
+KEEPER_USER = "65533:65533"
 # Extra time the engine gets past the in-container timeout before we kill from outside.
 OUTER_GRACE_S = 5.0
 _STDIN_DIR = ".sandbox"
+# RLIMIT_AS (in KiB) for the command and everything it starts.
+_AS_LIMIT = 'ulimit -v {kib} && exec "$@"'
 
 
 def _tar_one(name: str, data: bytes) -> bytes:
@@ -113,7 +130,6 @@ class DockerSandbox:
         client: Any = None,
         cpus: float = 1.0,
         tmp_size_mb: int = 64,
-        work_size_mb: int = 256,
     ) -> None:
         if not 0 < cpus <= 256:
             raise ValueError("cpus must be in (0, 256]")
@@ -124,17 +140,22 @@ class DockerSandbox:
         self._client = client if client is not None else _client_from_env()
         self._closed = False
         labels = {LABEL: self.id}
-        memory = f"{self.limits.memory_mb}m"
+        memory_bytes = self.limits.memory_mb * 1024 * 1024
+        # The work dir's pages count against the container's memory: they get their own
+        # budget on top, so a growing work dir stops at ENOSPC rather than an OOM kill,
+        # and each command's address-space limit keeps a process at memory_mb (as bwrap).
+        container_memory = memory_bytes + self.limits.max_workdir_bytes
+        work_opts = (
+            f"size={self.limits.max_workdir_bytes},"
+            f"nr_inodes={self.limits.max_workdir_files + 1},"  # the root dir takes one
+            f"uid={NOBODY},gid={NOBODY},mode=0755"
+        )
         cpu = int(self.limits.cpu_time_s) + 1
         try:
             self._volume = self._client.volumes.create(
                 name=f"agentflow-sandbox-{self.id}",
                 driver="local",
-                driver_opts={
-                    "type": "tmpfs",
-                    "device": "tmpfs",
-                    "o": f"size={work_size_mb}m,uid={NOBODY},gid={NOBODY},mode=0755",
-                },
+                driver_opts={"type": "tmpfs", "device": "tmpfs", "o": work_opts},
                 labels=labels,
             )
             self.container = self._client.containers.run(
@@ -143,10 +164,10 @@ class DockerSandbox:
                 detach=True,
                 name=f"agentflow-sandbox-{self.id}",
                 init=True,
-                user=USER,
+                user=KEEPER_USER,
                 working_dir=WORKDIR,
-                mem_limit=memory,
-                memswap_limit=memory,
+                mem_limit=container_memory,
+                memswap_limit=container_memory,
                 nano_cpus=int(cpus * 1e9),
                 pids_limit=self.limits.max_processes,
                 ulimits=[
@@ -182,7 +203,8 @@ class DockerSandbox:
         argv, environment, workdir = argv_of(cmd), env_of(env), cwd_of(cwd)
         deadline = timeout_of(timeout_s, self.limits)
         data = stdin_of(stdin)
-        inner = ["timeout", "-s", "KILL", f"{deadline:.3f}s", *argv]
+        as_limit = _AS_LIMIT.format(kib=self.limits.memory_mb * 1024)
+        inner = ["timeout", "-s", "KILL", f"{deadline:.3f}s", "sh", "-c", as_limit, "sh", *argv]
         stdin_path = None
         if data is not None:
             stdin_path = f"{_STDIN_DIR}/stdin-{uuid.uuid4().hex}"
@@ -261,15 +283,24 @@ class DockerSandbox:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
+            # The SDK's stream close() shuts the socket but leaves the response's file
+            # object holding it open until garbage collection; close that too.
+            response = getattr(stream, "_response", None)
+            if response is not None:
+                response.close()
         if overflow:
             self._kill_all()
             return bytes(out[:cap]), bytes(err[:cap]), None, True
         return bytes(out), bytes(err), api.exec_inspect(exec_id).get("ExitCode"), False
 
     def _kill_all(self) -> None:
-        """Kill every sandbox process; docker-init (PID 1) ignores it and keeps the container."""
+        """Kill every sandbox process; the container's own (KEEPER_USER) processes stay."""
         with contextlib.suppress(Exception):
             self.container.exec_run(["kill", "-9", "-1"], user=USER)
+
+    def _remove(self, path: str) -> None:
+        with contextlib.suppress(Exception):
+            self.container.exec_run(["rm", "-f", "--", path], user=USER)
 
     def _oom_killed(self) -> bool:
         with contextlib.suppress(Exception):
@@ -285,7 +316,17 @@ class DockerSandbox:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         if len(raw) > self.limits.max_file_bytes:
             raise SandboxFileError(f"{path!r}: {len(raw)} bytes is over the limit")
-        ok = await asyncio.to_thread(self.container.put_archive, WORKDIR, _tar_one(str(rel), raw))
+        try:
+            ok = await asyncio.to_thread(
+                self.container.put_archive, WORKDIR, _tar_one(str(rel), raw)
+            )
+        except Exception as exc:  # docker.errors.APIError: the engine could not extract it
+            if "no space left on device" in str(exc).lower():
+                # The engine leaves the file it could not finish; a truncated file would
+                # read back as if it were whole.
+                await asyncio.to_thread(self._remove, f"{WORKDIR}/{rel}")
+                raise SandboxFileError(f"cannot write {path!r}: the work dir is full") from exc
+            raise SandboxFileError(f"could not write {path!r}: {exc}") from exc
         if not ok:
             raise SandboxFileError(f"could not write {path!r}")
 

@@ -9,6 +9,7 @@ with ``O_NOFOLLOW``, and ``..`` or absolute paths are refused up front.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from pathlib import PurePosixPath
 from sandbox.base import SandboxFileError
 
 MAX_PATH_CHARS = 1024
+# The work dir's size or file cap is reached (ENOSPC on a capped tmpfs, EDQUOT on quotas).
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def relative_path(path: str) -> PurePosixPath:
@@ -58,10 +61,31 @@ def _open_dir(
 def write_beneath(
     root: str, path: str, data: bytes, *, max_bytes: int, owner: tuple[int, int] | None = None
 ) -> None:
-    """Write ``data`` to ``root/path`` without following any symlink; parents are created."""
+    """Write ``data`` to ``root/path`` without following any symlink; parents are created.
+
+    A full work dir (its size or file cap reached) raises :class:`SandboxFileError` and
+    leaves no partial file behind.
+    """
     rel = relative_path(path)
     if len(data) > max_bytes:
         raise SandboxFileError(f"{path!r}: {len(data)} bytes is over the {max_bytes} limit")
+    try:
+        _write(root, rel, path, data, owner)
+    except OSError as exc:
+        if exc.errno in _FULL:  # from mkdir or write; other errors are the host's own
+            raise _cannot_write(path, exc) from exc
+        raise
+
+
+def _cannot_write(path: str, exc: OSError) -> SandboxFileError:
+    if exc.errno in _FULL:
+        return SandboxFileError(f"cannot write {path!r}: the work dir is full ({exc.strerror})")
+    return SandboxFileError(f"cannot write {path!r}: {exc.strerror}")
+
+
+def _write(
+    root: str, rel: PurePosixPath, path: str, data: bytes, owner: tuple[int, int] | None
+) -> None:
     with _open_dir(root, rel.parts[:-1], create=True, owner=owner) as dir_fd:
         try:
             fd = os.open(
@@ -70,8 +94,8 @@ def write_beneath(
                 0o644,
                 dir_fd=dir_fd,
             )
-        except OSError as exc:  # ELOOP for a symlink, EISDIR, ENXIO for a FIFO
-            raise SandboxFileError(f"cannot write {path!r}: {exc.strerror}") from exc
+        except OSError as exc:  # ELOOP for a symlink, EISDIR, ENXIO for a FIFO, ENOSPC
+            raise _cannot_write(path, exc) from exc
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SandboxFileError(f"{path!r} is not a regular file")
@@ -80,6 +104,11 @@ def write_beneath(
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
+        except OSError:
+            # A truncated file would read back as if it were whole.
+            with contextlib.suppress(OSError):
+                os.unlink(rel.name, dir_fd=dir_fd)
+            raise
         finally:
             os.close(fd)
 

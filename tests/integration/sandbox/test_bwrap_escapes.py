@@ -17,8 +17,15 @@ from .procscan import sandbox_processes
 
 pytestmark = pytest.mark.integration
 
+# The cgroup's memory limit is memory_mb + max_workdir_bytes (the work dir's tmpfs pages
+# are charged there): a small work dir keeps that total well under what the tests allocate.
 TIGHT = SandboxLimits(
-    wall_time_s=3, cpu_time_s=2, memory_mb=128, max_processes=16, max_output_bytes=64 * 1024
+    wall_time_s=3,
+    cpu_time_s=2,
+    memory_mb=128,
+    max_processes=16,
+    max_output_bytes=64 * 1024,
+    max_workdir_bytes=16 * 1024 * 1024,
 )
 
 

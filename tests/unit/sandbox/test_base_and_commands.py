@@ -15,12 +15,17 @@ from .memory_sandbox import MemorySandbox
 def test_limits_have_bounds_and_are_frozen():
     limits = SandboxLimits()
     assert (limits.wall_time_s, limits.memory_mb, limits.max_file_bytes) == (10, 512, 64 << 20)
+    assert (limits.max_workdir_bytes, limits.max_workdir_files) == (1 << 30, 100_000)
     for bad in (
         {"wall_time_s": 0},
         {"memory_mb": 1},
         {"max_processes": 0},
         {"max_output_bytes": 10},
         {"cpu_time_s": -1},
+        {"max_workdir_bytes": 4096},  # under 1 MiB: not a useful work dir
+        {"max_workdir_bytes": 65 << 30},  # tmpfs is memory: over 64 GiB is a mistake
+        {"max_workdir_files": 0},
+        {"max_workdir_files": 10**9},
         {"unknown": 1},
     ):
         with pytest.raises(ValidationError):

@@ -28,7 +28,11 @@ LIMITS = SandboxLimits(
     max_processes=32,
     max_output_bytes=2048,
     max_file_bytes=1 << 20,
+    max_workdir_bytes=8 << 20,
+    max_workdir_files=500,
 )
+# Every command sets its own address-space limit of memory_mb (in KiB).
+AS_256M = ["sh", "-c", 'ulimit -v 262144 && exec "$@"', "sh"]
 
 
 def test_container_is_started_with_the_documented_limits():
@@ -42,7 +46,7 @@ def test_container_is_started_with_the_documented_limits():
         "driver_opts": {
             "type": "tmpfs",
             "device": "tmpfs",
-            "o": "size=256m,uid=65534,gid=65534,mode=0755",
+            "o": "size=8388608,nr_inodes=501,uid=65534,gid=65534,mode=0755",
         },
         "labels": {LABEL: sb.id},
     }
@@ -52,10 +56,11 @@ def test_container_is_started_with_the_documented_limits():
         "detach": True,
         "name": f"agentflow-sandbox-{sb.id}",
         "init": True,
-        "user": "65534:65534",
+        "user": "65533:65533",  # not the exec user: `kill -9 -1` must not end the container
         "working_dir": "/work",
-        "mem_limit": "256m",
-        "memswap_limit": "256m",
+        # The work dir's tmpfs pages are charged to the container: their own budget on top.
+        "mem_limit": (256 << 20) + (8 << 20),
+        "memswap_limit": (256 << 20) + (8 << 20),
         "nano_cpus": 500_000_000,
         "pids_limit": 32,
         "ulimits": [
@@ -91,7 +96,7 @@ async def test_exec_runs_under_timeout_kill_with_clean_env_and_cwd():
         "w",
     )
     ((_, argv, kwargs),) = client.named("exec_create")
-    assert argv == ["timeout", "-s", "KILL", "2.000s", "python3", "-c", "print(42)"]
+    assert argv == ["timeout", "-s", "KILL", "2.000s", *AS_256M, "python3", "-c", "print(42)"]
     assert kwargs["user"] == "65534:65534" and kwargs["workdir"] == "/work/sub"
     assert kwargs["environment"]["A"] == "1" and kwargs["environment"]["HOME"] == "/work"
     assert client.named("exec_start")[0][2] == {"stream": True, "demux": True}
@@ -106,6 +111,7 @@ async def test_timeout_never_extends_the_wall_limit_and_strings_go_through_sh():
         "-s",
         "KILL",
         "5.000s",
+        *AS_256M,
         "/bin/sh",
         "-c",
         "echo hi",
@@ -173,6 +179,21 @@ async def test_files_round_trip_through_archives_owned_by_nobody():
         await sb.write_file("big", b"x" * (LIMITS.max_file_bytes + 1))
 
 
+async def test_a_full_work_dir_is_a_file_error():
+    client = FakeDockerClient()
+    sb = DockerSandbox(client=client, limits=LIMITS)
+
+    def full(path: str, data: bytes) -> bool:
+        raise RuntimeError(
+            '500 Server Error: ("Error processing tar file(exit status 1): write /big: '
+            'no space left on device")'
+        )
+
+    sb.container.put_archive = full  # type: ignore[method-assign]
+    with pytest.raises(SandboxFileError, match="the work dir is full"):
+        await sb.write_file("big", b"x")
+
+
 async def test_stdin_is_staged_as_a_file_and_redirected():
     client = FakeDockerClient()
     sb = DockerSandbox(client=client, limits=LIMITS)
@@ -181,7 +202,7 @@ async def test_stdin_is_staged_as_a_file_and_redirected():
     assert len(staged) == 1 and sb.container.files[staged[0]] == b"hello"
     argv = client.named("exec_create")[0][1]
     assert argv[:2] == ["sh", "-c"] and argv[4] == staged[0]
-    assert argv[5:] == ["timeout", "-s", "KILL", "5.000s", "cat"]
+    assert argv[5:] == ["timeout", "-s", "KILL", "5.000s", *AS_256M, "cat"]
 
 
 async def test_close_removes_container_and_volume_by_label_and_is_idempotent():
