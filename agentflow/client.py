@@ -3,16 +3,23 @@
 Each endpoint is described once as a `_Call` (method, path, body, how to read the answer);
 the two clients only differ in how they send it. HTTP errors come back as the matching
 class of `agentflow.errors`, so callers handle one exception tree on both sides of the wire.
+
+`RetryingTransport` makes either client (or a plain `httpx.AsyncClient`) ride out a
+gateway that went away: it resends on transport errors and 502/503/504 answers, with
+full-jitter exponential backoff, for a `RetryPolicy` window; then `GatewayUnavailable`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+import tenacity
 
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.envs import EnvCreate, EnvPublic, EnvUpdate
@@ -29,6 +36,8 @@ from agentflow.errors import (
 from agentflow.run_config import RunConfig
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _ERRORS: dict[int, type[AgentFlowError]] = {
     401: Unauthorized,
@@ -71,8 +80,12 @@ class _Endpoints:
     """The API, one method per endpoint, each returning a `_Call` to send."""
 
     @staticmethod
+    def live() -> _Call[dict[str, Any]]:
+        return _Call("GET", "/livez", dict)
+
+    @staticmethod
     def health() -> _Call[dict[str, Any]]:
-        return _Call("GET", "/healthz", dict)
+        return _Call("GET", "/readyz", dict)
 
     @staticmethod
     def create_env(env: EnvCreate | dict[str, Any]) -> _Call[EnvPublic]:
@@ -178,7 +191,12 @@ class Client:
         _raise_for_status(response)
         return call.parse(response.json() if response.content else None)
 
+    def live(self) -> dict[str, Any]:
+        """`/livez`: the gateway process answers (the database is not asked)."""
+        return self._send(_Endpoints.live())
+
     def health(self) -> dict[str, Any]:
+        """`/readyz`: the gateway can serve requests; its database answers."""
         return self._send(_Endpoints.health())
 
     def create_env(self, env: EnvCreate | dict[str, Any]) -> EnvPublic:
@@ -265,7 +283,12 @@ class AsyncClient:
         _raise_for_status(response)
         return call.parse(response.json() if response.content else None)
 
+    async def live(self) -> dict[str, Any]:
+        """`/livez`: the gateway process answers (the database is not asked)."""
+        return await self._send(_Endpoints.live())
+
     async def health(self) -> dict[str, Any]:
+        """`/readyz`: the gateway can serve requests; its database answers."""
         return await self._send(_Endpoints.health())
 
     async def create_env(self, env: EnvCreate | dict[str, Any]) -> EnvPublic:
@@ -329,3 +352,146 @@ class AsyncClient:
 
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
+
+
+# ---- retries ------------------------------------------------------------------------
+
+# Answers a gateway gives while it restarts or an upstream is down; any other status is
+# the caller's to see at once (a 4xx is never retried: sending it again changes nothing).
+RETRY_STATUSES = frozenset({502, 503, 504})
+# Transport errors a gateway coming back can mend. Not UnsupportedProtocol, ProxyError or
+# LocalProtocolError: those are this side's mistakes.
+_TRANSIENT = (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError)
+
+
+class GatewayUnavailable(AgentFlowError):
+    """The gateway gave no usable answer to a call for a whole retry window."""
+
+    status_code = 503
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long, and how often, a call to a gateway that went away is sent again.
+
+    The wait before retry n is drawn uniformly from [0, min(max_wait_s, first_wait_s *
+    2**(n-1))] ("full jitter": trainers that lost one gateway do not come back in step).
+    A call is retried until `window_s` seconds after its first failure.
+    """
+
+    window_s: float = 300.0
+    first_wait_s: float = 0.5
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "first_wait_s", "max_wait_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise InvalidInput(f"must be > 0, not {value}", field=name)
+
+
+class _RetryableAnswer(Exception):
+    def __init__(self, status_code: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status_code}: {body[:300].decode(errors='replace')}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _RetryableAnswer):
+        return str(exc)
+    said = str(exc).rstrip(".")
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
+class RetryingTransport(httpx.AsyncBaseTransport):
+    """Sends a request until it gets an answer the caller should see, under `policy`.
+
+    Retried: transport errors (refused or broken connections, timeouts, a peer that
+    hung up mid-answer) and 502/503/504 answers; one WARNING per retry names the call,
+    the error, the attempt and the wait. Past the window it raises `GatewayUnavailable`,
+    whose message is one line. Answers are read whole inside the attempt (a body cut
+    short is retried too), so this suits calls with JSON bodies, not streams.
+
+    Every request is resent as it was: callers route through it only the calls that are
+    safe to repeat, or that they make safe (docs/training.md, "When the gateway goes
+    away").
+    """
+
+    def __init__(
+        self, policy: RetryPolicy, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.policy = policy
+        self._inner = transport or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        call = f"{request.method} {request.url.copy_with(query=None)}"
+        policy = self.policy
+        first_failure: float | None = None
+
+        def left() -> float:
+            """Seconds left in the window, which opens at the call's first failure."""
+            nonlocal first_failure
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            return first_failure + policy.window_s - now
+
+        backoff = tenacity.wait_random_exponential(
+            multiplier=policy.first_wait_s, max=policy.max_wait_s
+        )
+
+        def out_of_time(state: tenacity.RetryCallState) -> bool:
+            return left() <= 0
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            return max(0.0, min(backoff(state), left()))  # the last retry at the window's end
+
+        def announce(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None and state.next_action is not None
+            error = state.outcome.exception()
+            assert error is not None
+            log.warning(
+                "%s failed (attempt %d): %s; retrying in %.1f s",
+                call,
+                state.attempt_number,
+                _describe(error),
+                state.next_action.sleep,
+            )
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((*_TRANSIENT, _RetryableAnswer)),
+            stop=out_of_time,
+            wait=wait,
+            before_sleep=announce,
+            reraise=True,
+        )
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    return await self._send_once(request)
+        except (*_TRANSIENT, _RetryableAnswer) as exc:
+            origin = f"{request.url.scheme}://{request.url.netloc.decode()}"
+            raise GatewayUnavailable(
+                f"the gateway at {origin} did not answer for {policy.window_s:g} s "
+                f"({request.method} {request.url.path}, {attempts} attempts; "
+                f"last error: {_describe(exc)})"
+            ) from exc
+        raise AssertionError("unreachable: tenacity returns or raises")
+
+    async def _send_once(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        try:
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+        finally:
+            await response.aclose()
+        if response.status_code in RETRY_STATUSES:
+            raise _RetryableAnswer(response.status_code, body)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=httpx.ByteStream(body),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
