@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -81,7 +82,32 @@ def serve(
         asyncio.run(check())
     except (AgentFlowError, OSError) as exc:
         raise _fail(exc) from None
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    from agentflow.api.public_url import served_url
+
+    try:
+        sock = _listening_socket(host, port)
+    except OSError as exc:
+        raise _fail(exc) from None
+    if settings.public_url is None:
+        # Agents are handed the address actually served (the port may be 0: any free one).
+        settings = settings.model_copy(
+            update={"public_url": served_url(host, sock.getsockname()[1])}
+        )
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """Bound before the app is built, so the app knows the port it serves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @db_app.command("upgrade")
@@ -327,21 +353,38 @@ def sft(
     _print({"model": str(target), **metrics})
 
 
+def _positive(value: float) -> float:
+    if not value > 0:
+        raise typer.BadParameter(f"must be > 0, not {value}")
+    return value
+
+
 @app.command("trainer")
 def trainer_command(
     config: ConfigArg,
     gateway: Annotated[str, typer.Option(help="the gateway's base URL")],
     run_id: Annotated[str, typer.Option("--run", help="the run to train (its id)")],
     api_key: KeyOpt = None,
+    retry_window_s: Annotated[
+        float,
+        typer.Option(
+            envvar="AGENTFLOW_TRAINER_RETRY_WINDOW_S",
+            callback=_positive,
+            help="seconds each call to the gateway is retried while it is away "
+            "(connection errors, 502/503/504); then the trainer exits 1",
+        ),
+    ] = 300.0,
 ) -> None:
     """The split form: train a run that a gateway executes (disk weight sync)."""
     run_config = _run_config(config)
     import httpx
 
+    from agentflow.client import RetryPolicy
     from trainer.remote import train_remote
 
+    retry = RetryPolicy(window_s=retry_window_s)
     try:
-        summary = train_remote(run_config, gateway, uuid.UUID(run_id), api_key=api_key)
+        summary = train_remote(run_config, gateway, uuid.UUID(run_id), api_key=api_key, retry=retry)
     except (AgentFlowError, ValueError, httpx.TransportError) as exc:
         raise _fail(exc) from None
     _print(summary)

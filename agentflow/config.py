@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     )
     api_key: str | None = Field(
         default=None,
-        description="when set, every route but /healthz and the docs needs `Bearer <key>`",
+        description="when set, every route but the probes, the docs and the agents' own routes "
+        "needs `Bearer <key>`",
     )
     max_body_bytes: int = Field(
         default=1 << 20, ge=1024, description="requests with larger bodies get 422"
@@ -41,9 +42,10 @@ class Settings(BaseSettings):
         min_length=16,
         description="signs the per-episode keys handed to black-box agents",
     )
-    public_url: str = Field(
-        default="http://127.0.0.1:8000",
-        description="base URL agents use to reach this gateway",
+    public_url: str | None = Field(
+        default=None,
+        description="base URL black-box agents use to reach this gateway; unset: the "
+        "address `agentflow serve` actually binds (checked at startup when set)",
     )
 
     @field_validator("database_url")

@@ -36,7 +36,7 @@ class EpisodeHandle:
     turns: TurnTree
     task: dict[str, Any] = field(default_factory=dict)  # {seed, options, ...}
     budget: Budget = field(default_factory=Budget)
-    gateway_url: str = "http://127.0.0.1:8000"
+    gateway_url: str = ""  # where black-box agents reach the gateway; "" when not served
     api_key: str = ""  # the per-episode key for black-box agents
     step_timeout_s: float | None = None  # the env's own step timeout, when registered with one
 

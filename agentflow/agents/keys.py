@@ -33,6 +33,9 @@ def episode_for_key(key: str, secret: str) -> uuid.UUID:
         episode_id = uuid.UUID(hex=body)
     except ValueError:
         raise Unauthorized("malformed episode key") from None
-    if not hmac.compare_digest(mac, _mac(episode_id, secret)):
+    # Bytes: compare_digest refuses str with non-ASCII characters, which a header may hold.
+    if not hmac.compare_digest(
+        mac.encode("utf-8", "surrogateescape"), _mac(episode_id, secret).encode()
+    ):
         raise Unauthorized("wrong episode key")
     return episode_id

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 import agentflow
 from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import RuntimeRegistry
-from agentflow.api.deps import require_api_key
 from agentflow.api.errors import install_error_handlers
 from agentflow.api.limits import BodySizeLimit
+from agentflow.api.public_url import PublicUrlCheck, check_public_url
 from agentflow.api.routes import (
     agent_callbacks,
     chat,
@@ -57,15 +59,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             app.state.run_manager = manager
             await manager.recover()
+            checking = None
+            if settings.public_url:
+                app.state.public_url_check = PublicUrlCheck(settings.public_url)
+                checking = asyncio.create_task(
+                    check_public_url(app.state.public_url_check, app.state.instance_id)
+                )
             try:
                 yield
             finally:
+                if checking is not None:
+                    checking.cancel()
                 await manager.shutdown()
         finally:
             await engine.dispose()
 
     app = FastAPI(title="AgentFlow", version=agentflow.__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.instance_id = uuid.uuid4().hex  # tells this gateway from others at one URL
     app.state.runtimes = RuntimeRegistry()
     app.state.metrics = GatewayMetrics()
     app.state.live_episodes = LiveEpisodes()  # black-box episodes' chat state and agents
@@ -75,8 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Black-box agents authenticate with their per-episode key, not the API key.
     app.include_router(chat.router)
     app.include_router(agent_callbacks.router)
-    protected = [Depends(require_api_key)]
-    for module in (envs, runs, episodes, trajectories, trajectory_stream, metrics):
-        app.include_router(module.router, dependencies=protected)
-    app.include_router(weights.router, dependencies=protected)
+    # The rest need the API key; each router declares it (`deps.API_KEY`).
+    for module in (envs, runs, episodes, trajectories, trajectory_stream, metrics, weights):
+        app.include_router(module.router)
     return app

@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from typing import Annotated
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from agentflow.agents.keys import episode_for_key
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Unauthorized
+from agentflow.errors import NotFound, Unauthorized
 from agentflow.rollout.manager import RunManager
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
+async def get_sessionmaker(request: Request) -> async_sessionmaker[AsyncSession]:
     maker: async_sessionmaker[AsyncSession] = request.app.state.sessionmaker
     return maker
 
@@ -33,17 +35,17 @@ async def get_session(
         yield session
 
 
-def get_runtimes(request: Request) -> RuntimeRegistry:
+async def get_runtimes(request: Request) -> RuntimeRegistry:
     runtimes: RuntimeRegistry = request.app.state.runtimes
     return runtimes
 
 
-def get_run_manager(request: Request) -> RunManager:
+async def get_run_manager(request: Request) -> RunManager:
     manager: RunManager = request.app.state.run_manager
     return manager
 
 
-def get_turn_tree(request: Request) -> TurnTree:
+async def get_turn_tree(request: Request) -> TurnTree:
     turns: TurnTree = request.app.state.turn_tree
     return turns
 
@@ -56,10 +58,86 @@ RunManagerDep = Annotated[RunManager, Depends(get_run_manager)]
 TurnTreeDep = Annotated[TurnTree, Depends(get_turn_tree)]
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> None:
-    """Every route but /healthz and the docs needs `Authorization: Bearer <key>` when set."""
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def bearer_token(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("send the key as `Authorization: Bearer <key>`")
+    return token.strip()
+
+
+def is_api_key(token: str, settings: Settings) -> bool:
+    # Bytes: compare_digest refuses str with non-ASCII characters, which a header may hold.
+    key = (settings.api_key or "").encode()
+    return bool(key) and secrets.compare_digest(token.encode("utf-8", "surrogateescape"), key)
+
+
+def parse_episode_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise NotFound(f"episode {raw!r} not found (not a UUID)") from None
+
+
+def authorize_episode(request: Request, raw_id: str | None) -> uuid.UUID:
+    """The episode this request may act on: the one its episode key is bound to, which
+    must be `raw_id` when given. The gateway's API key (when one is set) may act on any
+    episode it names. The key is checked before the id is even parsed."""
+    settings = _settings(request)
+    token = bearer_token(request)
+    if raw_id is not None and is_api_key(token, settings):
+        return parse_episode_id(raw_id)
+    bound = episode_for_key(token, settings.secret_key)
+    if raw_id is not None:
+        try:
+            named = uuid.UUID(raw_id)
+        except ValueError:
+            named = None
+        if named != bound:
+            raise Unauthorized("this key is bound to another episode")
+    return bound
+
+
+# The checks `routing.GatewayRoute` runs before it reads anything of a request. Each takes
+# the request alone, so it can run ahead of FastAPI's own solving.
+
+
+def check_api_key(request: Request) -> None:
+    """Every route but the health checks, the docs and the agents' own routes needs
+    `Authorization: Bearer <key>` when an API key is set."""
+    settings = _settings(request)
     if not settings.api_key:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token, settings.api_key):
+    if scheme.lower() != "bearer" or not is_api_key(token, settings):
         raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`")
+
+
+def check_episode_key(request: Request) -> None:
+    """The `{episode_id}` of the path may be acted on with this request's key."""
+    authorize_episode(request, request.path_params["episode_id"])
+
+
+# The same checks as the dependencies routers declare. FastAPI runs them again after
+# `GatewayRoute`; `async def` keeps that second run on the event loop (a plain `def`
+# dependency goes to a worker thread on every request).
+async def require_api_key(request: Request) -> None:
+    check_api_key(request)
+
+
+async def require_episode_key(request: Request) -> None:
+    check_episode_key(request)
+
+
+# What a router that needs the API key declares (`APIRouter(dependencies=API_KEY)`): on
+# the router itself, where `GatewayRoute` sees it, not at `include_router`.
+API_KEY = [Depends(require_api_key)]
+# Each auth dependency, and the check `GatewayRoute` runs for it before anything else.
+AUTH_CHECKS: dict[Callable[..., Any], Callable[[Request], None]] = {
+    require_api_key: check_api_key,
+    require_episode_key: check_episode_key,
+}

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     DateTime,
     Float,
     ForeignKey,
@@ -21,13 +20,14 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
-    Text,
     TypeDecorator,
     UniqueConstraint,
     Uuid,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from agentflow.db.storable import StorableJSON, StorableText
 
 # Stable constraint names make migrations reproducible on both databases.
 NAMING_CONVENTION = {
@@ -60,7 +60,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+    type_annotation_map = {dict[str, Any]: StorableJSON, list[Any]: StorableJSON}
 
 
 class Environment(Base):
@@ -71,11 +71,11 @@ class Environment(Base):
     name: Mapped[str] = mapped_column(String(200), index=True)
     version: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16), index=True)
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    tools: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    spec: Mapped[dict[str, Any]] = mapped_column(StorableJSON)
+    tools: Mapped[list[Any]] = mapped_column(StorableJSON, default=list)
     max_concurrency: Mapped[int] = mapped_column(Integer)
     step_timeout_s: Mapped[float] = mapped_column(Float)
-    description: Mapped[str] = mapped_column(Text, default="")
+    description: Mapped[str] = mapped_column(StorableText, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -85,10 +85,10 @@ class Run(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     name: Mapped[str] = mapped_column(String(200), index=True)
-    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    config: Mapped[dict[str, Any]] = mapped_column(StorableJSON)
     status: Mapped[str] = mapped_column(String(16), index=True, default="pending")
     weight_version: Mapped[int] = mapped_column(Integer, default=0)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -117,11 +117,11 @@ class Episode(Base):
         ForeignKey("environments.id", ondelete="SET NULL"), nullable=True
     )
     env_ref: Mapped[str] = mapped_column(String(200), default="", doc="registry id or name")
-    task: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    task: Mapped[dict[str, Any]] = mapped_column(StorableJSON, default=dict)
     group_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     status: Mapped[str] = mapped_column(String(16), index=True, default="pending")
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
@@ -142,10 +142,10 @@ class Turn(Base):
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     weight_versions: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     loss_mask: Mapped[bytes] = mapped_column(LargeBinary)
-    text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    text: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    timings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    timings: Mapped[dict[str, Any]] = mapped_column(StorableJSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -169,7 +169,7 @@ class Trajectory(Base):
     # ack a no-op).
     lease_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     times_served: Mapped[int] = mapped_column(Integer, default=0)  # acknowledged trainings
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why it was rejected
+    error: Mapped[str | None] = mapped_column(StorableText, nullable=True)  # why it was rejected
     min_weight_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -181,6 +181,6 @@ class WeightVersion(Base):
         ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
     )
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
-    uri: Mapped[str] = mapped_column(Text, default="")
-    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    uri: Mapped[str] = mapped_column(StorableText, default="")
+    metrics: Mapped[dict[str, Any]] = mapped_column(StorableJSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import event
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -48,3 +49,14 @@ def create_engine(url: str, *, echo: bool = False, synchronous_commit: bool = Fa
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+async def read_connection(session: AsyncSession) -> AsyncConnection:
+    """The session's connection in autocommit mode, for reads that write nothing.
+
+    Under READ COMMITTED every statement takes its own snapshot whether or not a transaction
+    wraps them, so a transaction around reads only adds a BEGIN and a ROLLBACK: two round
+    trips to the database per request. Call this first thing in the session; the pool puts
+    the connection back in its default mode when the session closes.
+    """
+    return await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})

@@ -109,7 +109,7 @@ class RunManager:
             runtime=runtime,
             sources=sources,
             agent=agent,
-            gateway_url=self.settings.public_url,
+            gateway_url=self.settings.public_url or "",
             secret_key=self.settings.secret_key,
             on_finish=self._finished,
         )
@@ -168,6 +168,12 @@ class RunManager:
                 metrics=self.metrics,
             )
         agent = config.agent
+        if agent.type in ("http", "container") and not self.settings.public_url:
+            raise Conflict(
+                f"a {agent.type!r} agent calls this gateway back, but it is not served over "
+                "HTTP here (no public URL): run it with `agentflow serve`, or set "
+                "AGENTFLOW_PUBLIC_URL"
+            )
         if agent.type == "http":
             assert agent.url is not None  # the config validator requires it
             return HttpAgent(

@@ -27,10 +27,13 @@ def test_http_agent_run_through_the_api(
     sqlite_database: str,
     tmp_path: Path,
     agent_service: Callable[[Any], str],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A port of its own and no AGENTFLOW_PUBLIC_URL: agents are handed the address served.
+    monkeypatch.delenv("AGENTFLOW_PUBLIC_URL", raising=False)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with gateway_process(sqlite_database, tmp_path, port, AGENTFLOW_PUBLIC_URL=url):
+    with gateway_process(sqlite_database, tmp_path, port):
         service = agent_service(service_agent)
         created = httpx.post(
             f"{url}/v1/runs",

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,3 +96,38 @@ def test_refuses_a_schema_that_is_behind(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "agentflow db upgrade" in result.stderr
+
+
+def test_a_public_url_that_misses_the_gateway_is_reported_at_startup(
+    sqlite_database: str, tmp_path: Path
+) -> None:
+    nowhere = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    port = _free_port()
+    env = {**os.environ, "AGENTFLOW_DATABASE_URL": sqlite_database, "AGENTFLOW_PUBLIC_URL": nowhere}
+    proc = subprocess.Popen(
+        [*AGENTFLOW, "serve", "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("does not reach this gateway" in line for line in lines):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        (report,) = [line for line in lines if "does not reach this gateway" in line]
+        assert nowhere in report and "ConnectError" in report
+        # The gateway still serves; only black-box agents would be stranded.
+        assert httpx.get(f"http://127.0.0.1:{port}/livez", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        reader.join(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -16,17 +16,24 @@ import math
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request, status
+from fastapi import APIRouter, Depends, Request, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentflow.agents.blackbox.live import AgentReport, AgentSlot
-from agentflow.api.deps import SettingsDep
-from agentflow.api.routes.chat import authorize_episode, live_episodes, turn_tree
+from agentflow.api.deps import require_episode_key
+from agentflow.api.routes.chat import live_episodes, turn_tree
+from agentflow.api.routing import GatewayRoute
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES
 from envs.base import EnvError, parse_action
 
-router = APIRouter(prefix="/v1/episodes", tags=["agents"])
+# The episode's key is checked first, before the body is read (`routing.GatewayRoute`).
+router = APIRouter(
+    prefix="/v1/episodes",
+    tags=["agents"],
+    route_class=GatewayRoute,
+    dependencies=[Depends(require_episode_key)],
+)
 
 
 class _Body(BaseModel):
@@ -63,8 +70,7 @@ class StepBody(_Body):
     timeout_s: float | None = Field(default=None, gt=0, le=3600)
 
 
-async def _running_slot(request: Request, settings: Any, episode_id: uuid.UUID) -> AgentSlot:
-    authorize_episode(request, settings, episode_id)
+async def _running_slot(request: Request, episode_id: uuid.UUID) -> AgentSlot:
     episode = await turn_tree(request.app).episode(episode_id)
     if episode.status not in OPEN_EPISODE_STATUSES:
         raise Conflict(f"episode {episode_id} is already {episode.status}")
@@ -79,9 +85,8 @@ async def complete(
     episode_id: uuid.UUID,
     body: CompleteBody,
     request: Request,
-    settings: SettingsDep,
 ) -> dict[str, Any]:
-    await _running_slot(request, settings, episode_id)
+    await _running_slot(request, episode_id)
     report = AgentReport(
         status=body.status, answer=body.answer, reward=body.reward, error=body.error
     )
@@ -94,9 +99,8 @@ async def reward(
     episode_id: uuid.UUID,
     body: RewardBody,
     request: Request,
-    settings: SettingsDep,
 ) -> dict[str, Any]:
-    slot = await _running_slot(request, settings, episode_id)
+    slot = await _running_slot(request, episode_id)
     slot.rewards.append(body.reward)
     return {"episode_id": str(episode_id), "rewards": len(slot.rewards)}
 
@@ -106,10 +110,9 @@ async def env_step(
     episode_id: uuid.UUID,
     body: StepBody,
     request: Request,
-    settings: SettingsDep,
 ) -> dict[str, Any]:
     """Apply an action to the episode's env: how an agent runs the env's tools."""
-    slot = await _running_slot(request, settings, episode_id)
+    slot = await _running_slot(request, episode_id)
     try:
         action = parse_action(body.action)
     except EnvError as exc:

@@ -13,10 +13,7 @@ run, 409 finished episode, 429 too many requests in flight for one episode.
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,11 +26,14 @@ from agentflow.agents.blackbox.responses import completion_of
 from agentflow.agents.blackbox.sse import stream_chunks
 from agentflow.agents.keys import episode_for_key
 from agentflow.agents.runtime import RuntimeRegistry
-from agentflow.api.deps import SettingsDep
-from agentflow.config import Settings
+from agentflow.api.deps import SettingsDep, authorize_episode, bearer_token, is_api_key
+from agentflow.api.errors import json_safe
+from agentflow.api.strict_json import parse_json
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import AgentFlowError, InvalidInput, NotFound, Unauthorized
+from agentflow.errors import AgentFlowError, InvalidInput
 
+# A plain APIRoute, not `GatewayRoute`: these routes authenticate and parse their bodies
+# themselves (the same rules), so that every error is in OpenAI's shape.
 router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def openai_error(exc: AgentFlowError) -> JSONResponse:
     param = ".".join(exc.field) if isinstance(exc, InvalidInput) and exc.field else None
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     body = error_body(exc.message, type_=type_, code=code, param=param)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(json_safe(body), status_code=status, headers=headers)
 
 
 def live_episodes(request: Request) -> LiveEpisodes:
@@ -69,45 +69,12 @@ def turn_tree(app: Any) -> TurnTree:
     return turns
 
 
-def bearer_token(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("send the episode key as `Authorization: Bearer <key>`")
-    return token.strip()
-
-
-def authorize_episode(
-    request: Request, settings: Settings, episode_id: uuid.UUID | None
-) -> uuid.UUID:
-    """The episode this request may act on: the key's, which must be `episode_id` if given.
-    The gateway's API key (when one is set) may act on any episode it names."""
-    token = bearer_token(request)
-    if episode_id is not None and settings.api_key:
-        if secrets.compare_digest(token, settings.api_key):
-            return episode_id
-    bound = episode_for_key(token, settings.secret_key)
-    if episode_id is not None and bound != episode_id:
-        raise Unauthorized("this key is bound to another episode")
-    return bound
-
-
-def parse_episode_id(raw: str) -> uuid.UUID:
+async def _complete(request: Request, raw_id: str | None) -> Response:
     try:
-        return uuid.UUID(raw)
-    except ValueError:
-        raise NotFound(f"episode {raw!r} not found (not a UUID)") from None
-
-
-async def _complete(request: Request, settings: Settings, raw_id: str | None) -> Response:
-    try:
-        episode_id = authorize_episode(
-            request, settings, parse_episode_id(raw_id) if raw_id is not None else None
-        )
-        try:
-            body: Any = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"the body is not valid JSON: {exc}", field="body") from None
-        chat_request = parse_request(body)
+        episode_id = authorize_episode(request, raw_id)
+        # The agent's messages and tool results are stored as its turns: the same text
+        # rule as every other body, with OpenAI's `param` naming the field.
+        chat_request = parse_request(parse_json(await request.body(), loc=()))
         runtimes: RuntimeRegistry = request.app.state.runtimes
         proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
         answer = await proxy.complete(episode_id, chat_request)
@@ -128,20 +95,20 @@ async def _complete(request: Request, settings: Settings, raw_id: str | None) ->
 
 
 @router.post("/v1/episodes/{episode_id}/chat/completions", response_model=None)
-async def episode_chat(episode_id: str, request: Request, settings: SettingsDep) -> Response:
-    return await _complete(request, settings, episode_id)
+async def episode_chat(episode_id: str, request: Request) -> Response:
+    return await _complete(request, episode_id)
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat(request: Request, settings: SettingsDep) -> Response:
-    return await _complete(request, settings, None)
+async def chat(request: Request) -> Response:
+    return await _complete(request, None)
 
 
 @router.get("/v1/models", response_model=None)
 async def models(request: Request, settings: SettingsDep) -> Response:
     try:
         token = bearer_token(request)
-        if not (settings.api_key and secrets.compare_digest(token, settings.api_key)):
+        if not is_api_key(token, settings):
             episode_for_key(token, settings.secret_key)
     except AgentFlowError as exc:
         return openai_error(exc)

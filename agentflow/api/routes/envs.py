@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response, status
 from pydantic import ValidationError
-from sqlalchemy import delete, func, select
+from sqlalchemy import Select, bindparam, delete, func, select
 from sqlalchemy.exc import IntegrityError
 
-from agentflow.api.deps import SessionDep
+from agentflow.api.deps import API_KEY, SessionDep
 from agentflow.api.errors import validation_error
+from agentflow.api.routing import GatewayRoute
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.envs import EnvCreate, EnvPublic, EnvUpdate
 from agentflow.api.schemas.runs import ACTIVE_RUN_STATUSES
 from agentflow.db.models import Environment, Run, RunEnvironment
+from agentflow.db.session import read_connection
 from agentflow.errors import Conflict, NotFound
 from envs.specs import EnvKind, parse_spec
 
-router = APIRouter(prefix="/v1/envs", tags=["envs"])
+router = APIRouter(prefix="/v1/envs", tags=["envs"], route_class=GatewayRoute, dependencies=API_KEY)
 
 
 def _validated_spec(kind: str, spec: dict[str, object]) -> dict[str, object]:
@@ -58,6 +61,22 @@ async def create_env(body: EnvCreate, session: SessionDep) -> Environment:
     return env
 
 
+@functools.cache
+def _list_queries(by_name: bool, by_kind: bool) -> tuple[Select[Any], Select[Any]]:
+    """(count, page) of the env list for one combination of filters, values bound at run
+    time. Built once: building a statement costs more than running it on a small table.
+    Rows, not ORM objects: a page is only read and serialized, so the identity map and
+    per-object state would be pure overhead."""
+    query = select(Environment.__table__)
+    if by_name:
+        query = query.where(Environment.name == bindparam("name"))
+    if by_kind:
+        query = query.where(Environment.kind == bindparam("kind"))
+    count = select(func.count()).select_from(query.subquery())
+    page = query.order_by(Environment.created_at, Environment.id)
+    return count, page.limit(bindparam("limit")).offset(bindparam("offset"))
+
+
 @router.get("", response_model=Page[EnvPublic])
 async def list_envs(
     session: SessionDep,
@@ -66,16 +85,12 @@ async def list_envs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> dict[str, object]:
-    query = select(Environment)
-    if name is not None:
-        query = query.where(Environment.name == name)
-    if kind is not None:
-        query = query.where(Environment.kind == kind)
-    total = await session.scalar(select(func.count()).select_from(query.subquery()))
-    rows = await session.scalars(
-        query.order_by(Environment.created_at, Environment.id).limit(limit).offset(offset)
-    )
-    return {"items": list(rows), "total": total or 0, "limit": limit, "offset": offset}
+    count, page = _list_queries(name is not None, kind is not None)
+    params = {"name": name, "kind": kind, "limit": limit, "offset": offset}
+    conn = await read_connection(session)
+    total = await conn.scalar(count, params)
+    rows = (await conn.execute(page, params)).mappings().all()
+    return {"items": rows, "total": total or 0, "limit": limit, "offset": offset}
 
 
 @router.get("/{env_id}", response_model=EnvPublic)

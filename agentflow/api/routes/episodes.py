@@ -8,9 +8,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from agentflow.api.deps import TurnTreeDep
+from agentflow.api.deps import API_KEY, TurnTreeDep
+from agentflow.api.routing import GatewayRoute
 
-router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
+router = APIRouter(
+    prefix="/v1/episodes", tags=["episodes"], route_class=GatewayRoute, dependencies=API_KEY
+)
 
 
 @router.get("/{episode_id}")

@@ -6,12 +6,13 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import func, select
 
-from agentflow.api.deps import RuntimesDep, SessionDep
+from agentflow.api.deps import API_KEY, RuntimesDep, SessionDep
+from agentflow.api.routing import GatewayRoute
 from agentflow.db.models import Episode
 from agentflow.metrics import GatewayMetrics
 from agentflow.types import EpisodeStatus
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], route_class=GatewayRoute, dependencies=API_KEY)
 
 _STATUSES: tuple[EpisodeStatus, ...] = (
     "pending",

@@ -8,7 +8,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, status
 from sqlalchemy import func, select
 
-from agentflow.api.deps import RunManagerDep, SessionDep
+from agentflow.api.deps import API_KEY, RunManagerDep, SessionDep
+from agentflow.api.routing import GatewayRoute
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
 from agentflow.db.models import Episode, Run
@@ -16,7 +17,7 @@ from agentflow.errors import InvalidInput, NotFound
 from agentflow.run_config import RunConfig
 from agentflow.types import EpisodeStatus
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=GatewayRoute, dependencies=API_KEY)
 
 
 async def _get(session: SessionDep, run_id: uuid.UUID) -> Run:

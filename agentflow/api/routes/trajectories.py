@@ -8,9 +8,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from agentflow.api.deps import TurnTreeDep
+from agentflow.api.deps import API_KEY, TurnTreeDep
+from agentflow.api.routing import GatewayRoute
 
-router = APIRouter(prefix="/v1/trajectories", tags=["trajectories"])
+router = APIRouter(
+    prefix="/v1/trajectories", tags=["trajectories"], route_class=GatewayRoute, dependencies=API_KEY
+)
 
 
 @router.get("/{trajectory_id}")

@@ -13,9 +13,15 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflow.api.deps import RunManagerDep
+from agentflow.api.deps import API_KEY, RunManagerDep
+from agentflow.api.routing import GatewayRoute
 
-router = APIRouter(prefix="/v1/runs/{run_id}/trajectories", tags=["trajectory stream"])
+router = APIRouter(
+    prefix="/v1/runs/{run_id}/trajectories",
+    tags=["trajectory stream"],
+    route_class=GatewayRoute,
+    dependencies=API_KEY,
+)
 
 
 class LeaseRequest(BaseModel):

@@ -16,12 +16,15 @@ from pathlib import Path
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflow.api.deps import RunManagerDep, SessionDep
+from agentflow.api.deps import API_KEY, RunManagerDep, SessionDep
+from agentflow.api.routing import GatewayRoute
 from agentflow.db.models import Run
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.inference.base import WeightUpdate
 
-router = APIRouter(prefix="/v1/runs", tags=["weights"])
+router = APIRouter(
+    prefix="/v1/runs", tags=["weights"], route_class=GatewayRoute, dependencies=API_KEY
+)
 
 
 class WeightsPublish(BaseModel):

@@ -84,8 +84,8 @@ def test_unknown_and_finished_episodes(gateway, run_id) -> None:
         post(gateway, "/v1/chat/completions", gateway.key(ghost), BODY), 404, "not_found_error"
     )
     assert str(ghost) in error["message"]
-    path = "/v1/episodes/not-a-uuid/chat/completions"
-    assert_openai_error(post(gateway, path, gateway.key(ghost), BODY), 404, "not_found_error")
+    path = "/v1/episodes/not-a-uuid/chat/completions"  # not the episode the key is for
+    assert_openai_error(post(gateway, path, gateway.key(ghost), BODY), 401, "authentication_error")
 
     done = gateway.new_episode(run_id)
     gateway.call(gateway.turns.complete_episode(done, "failed", error="test"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -303,3 +304,11 @@ async def test_model_made_tool_calls_round_trip(gateway, tool_calling_run, strea
     path = gateway.call(gateway.turns.path(turn_of(follow)))
     assert [t.kind for t in path] == ["prompt", "policy", "env", "policy"]
     assert path[1].id == turn_id and path[1].finish_reason == "stop"
+
+
+def test_the_startup_check_finds_the_public_url_reaches_this_gateway(gateway) -> None:
+    check = gateway.app.state.public_url_check
+    deadline = time.monotonic() + 30
+    while check.ok is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert check.ok is True, check.detail
