@@ -48,6 +48,25 @@ def test_malformed_requests_are_400(gateway, run_id) -> None:
             post(gateway, "/v1/chat/completions", key, body), 400, "invalid_request_error"
         )
         assert error["param"] == param
+    # Text no database can hold, numbers JSON does not have: named, in OpenAI's shape.
+    for raw_body, param in [
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "a\\u0000"}]}',
+            "messages.0.content",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
+        (b'{"model": "m", "max_tokens": 2, "temperature": NaN, "messages": []}', None),
+        (b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b', "messages": []}', None),
+    ]:
+        response = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            content=raw_body,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        assert assert_openai_error(response, 400, "invalid_request_error")["param"] == param
     # A conversation longer than the model's context is refused before it reaches the engine.
     huge = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
     error = assert_openai_error(
