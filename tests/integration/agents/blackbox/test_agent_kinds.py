@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -297,3 +298,31 @@ def test_budget_refuses_more_turns_and_truncates(gateway, run_id, runtime, agent
     assert len(leaves) == 1  # the refused request recorded nothing
     path = gateway.call(gateway.turns.path(leaves[0].id))
     assert [t.kind for t in path] == ["prompt", "policy", "env", "policy"]
+
+
+def test_agent_reports_are_refused_or_stored_exactly(gateway, run_id, runtime, agent_service):
+    storable = ("\x01\x1b[31m\x7f tab\there é 😀 " * 400)[:10_000]
+    answers: list[int] = []
+
+    def reporter(brief: dict[str, Any]) -> None:
+        auth = {"Authorization": f"Bearer {brief['api_key']}"}
+        for error in ("a\x00b", "lone \ud800", storable):
+            body = json.dumps({"status": "failed", "error": error}).encode()
+            sent = httpx.post(
+                brief["callback_url"],
+                content=body,
+                headers={**auth, "Content-Type": "application/json"},
+            )
+            answers.append(sent.status_code)
+
+    agent = HttpAgent(agent_service(reporter), gateway.live, deadline_s=30)
+    episode = handle(gateway, run_id, runtime, 4)
+    outcome = gateway.call(agent.run(episode))
+    deadline = time.monotonic() + 30  # the last answer may reach the agent after the run
+    while len(answers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert answers == [422, 422, 202], answers
+    assert outcome.status == "failed" and outcome.error == storable
+    finish(gateway, episode, outcome)
+    stored = gateway.call(gateway.turns.episode(episode.episode_id))
+    assert stored.error == storable
