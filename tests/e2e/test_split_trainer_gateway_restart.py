@@ -1,7 +1,7 @@
 """The gateway restarts under a running split trainer: `kill -9` of `agentflow serve`, then
 the same command on the same port and database. The trainer, never restarted, waits the
 restart out (its log shows the retries), then finishes its steps on the restarted
-gateway; every trained batch is acknowledged once and nothing stays leased."""
+gateway; every trained batch is acknowledged once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,39 +18,12 @@ import httpx
 import pytest
 
 from tests.e2e.test_split_trainer import _config
-from tests.integration.test_gateway_crash import _wait
+from tests.integration.test_gateway_crash import _wait, gateway_process
 from tests.integration.test_serve import _free_port
 
 pytestmark = pytest.mark.integration
 
 STEPS = 3
-
-
-@contextmanager
-def _serve(database_url: str, cwd: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`agentflow serve` on `port` (its output appended to `log`), healthy when entered."""
-    env = {
-        **os.environ,
-        "AGENTFLOW_DATABASE_URL": database_url,
-        "AGENTFLOW_ENV_MODULES": "tests.integration.rollout",
-        "PYTHONPATH": str(Path(__file__).parents[2]),
-        "OMP_NUM_THREADS": "1",
-    }
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
-            env=env,
-            cwd=cwd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -74,7 +45,14 @@ def test_the_trainer_rides_out_a_gateway_restart(sqlite_database: str, tmp_path:
     url = f"http://127.0.0.1:{port}"
     gateway_log, trainer_log = tmp_path / "gateway.log", tmp_path / "trainer.log"
 
-    with _serve(sqlite_database, tmp_path, port, gateway_log) as gateway:
+    def serve() -> Any:
+        return gateway_process(
+            sqlite_database, tmp_path, port, log=gateway_log, OMP_NUM_THREADS="1"
+        )
+
+    with gateway_process(
+        sqlite_database, tmp_path, port, log=gateway_log, OMP_NUM_THREADS="1"
+    ) as gateway:
         assert httpx.post(f"{url}/v1/envs", json=env).status_code == 201
         created = httpx.post(f"{url}/v1/runs", json=config, timeout=60)
         assert created.status_code == 201, created.text
@@ -101,7 +79,7 @@ def test_the_trainer_rides_out_a_gateway_restart(sqlite_database: str, tmp_path:
             trainer.wait()
             raise
 
-    with _serve(sqlite_database, tmp_path, port, gateway_log):
+    with serve():
         try:
             code = trainer.wait(timeout=240)
         except subprocess.TimeoutExpired:

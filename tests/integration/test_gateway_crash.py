@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,9 +27,10 @@ LIVE = ("pending", "running")
 
 @contextmanager
 def gateway_process(
-    database_url: str, cwd: Path, port: int, **extra_env: str
+    database_url: str, cwd: Path, port: int, *, log: Path | None = None, **extra_env: str
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`agentflow serve` on `port`, healthy when entered, terminated when left."""
+    """`agentflow serve` on `port`, healthy when entered, terminated when left; its output
+    is appended to `log` when given."""
     env = {
         **os.environ,
         "AGENTFLOW_DATABASE_URL": database_url,
@@ -36,13 +38,15 @@ def gateway_process(
         "PYTHONPATH": str(Path(__file__).parents[2]),
         **extra_env,
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(log.open("ab")) if log else subprocess.DEVNULL
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
+            env=env,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+        )
     try:
         _wait(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200)
         yield proc
