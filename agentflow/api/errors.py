@@ -59,6 +59,14 @@ def json_safe(value: Any) -> Any:
     return json_safe(str(value))
 
 
+def invalid_input_detail(exc: InvalidInput) -> list[dict[str, Any]]:
+    """`InvalidInput` as FastAPI's own 422 `detail`, safe to write whatever its place."""
+    detail: list[dict[str, Any]] = json_safe(
+        [{"type": "value_error", "loc": list(exc.field), "msg": exc.message}]
+    )
+    return detail
+
+
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 body, written safely whatever the input it echoes."""
     assert isinstance(exc, RequestValidationError)
@@ -70,7 +78,7 @@ async def _agentflow_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, AgentFlowError)
     body: dict[str, Any]
     if isinstance(exc, InvalidInput):
-        body = {"detail": [{"type": "value_error", "loc": list(exc.field), "msg": exc.message}]}
+        body = {"detail": invalid_input_detail(exc)}
     else:
         body = {"detail": exc.message, "error": type(exc).__name__}
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None

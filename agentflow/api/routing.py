@@ -21,7 +21,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
 from agentflow.api.deps import AUTH_CHECKS
-from agentflow.api.errors import json_safe
+from agentflow.api.errors import invalid_input_detail
 from agentflow.api.strict_json import check_text, parse_json
 from agentflow.errors import InvalidInput
 
@@ -36,8 +36,7 @@ class StrictJSONRequest(Request):
             except InvalidInput as exc:
                 # FastAPI turns anything but an HTTPException raised while it reads the
                 # body into a bare 400; this keeps the 422 and the place.
-                error = {"type": "value_error", "loc": list(exc.field), "msg": exc.message}
-                detail = json_safe([error])  # the place may be a key that is itself bad
+                detail = invalid_input_detail(exc)
                 raise HTTPException(status_code=422, detail=detail) from None
         return self._json
 

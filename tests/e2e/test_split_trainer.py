@@ -102,14 +102,7 @@ def test_a_trainer_process_trains_a_gateway_run(sqlite_database: str, tmp_path: 
     assert (run_dir / "checkpoints" / "step-00000002").is_dir()
     # Every trained batch was acknowledged exactly once (the last one at the final
     # checkpoint), and nothing is left leased to the finished trainer.
-    db_path = sqlite_database.split("///", 1)[1]
-    with sqlite3.connect(db_path) as db:
-        statuses = dict(
-            db.execute(
-                "SELECT status, COUNT(*) FROM trajectories WHERE run_id = ? GROUP BY status",
-                (run_id.replace("-", ""),),
-            )
-        )
+    statuses = trajectory_statuses(sqlite_database, run_id)
     assert "leased" not in statuses
     assert statuses.get("consumed", 0) == sum(int(r["trajectories"]) for r in rows)
     # The gateway's engine really serves the last version: what it recorded for an
@@ -124,3 +117,13 @@ def test_a_trainer_process_trains_a_gateway_run(sqlite_database: str, tmp_path: 
         before = score(initial, tokens, start=len(context))
         gaps.append(max(abs(a - b) for a, b in zip(before, turn["logprobs"], strict=True)))
     assert max(gaps) > 1e-3  # the check tells the trained weights from the initial ones
+
+
+def trajectory_statuses(sqlite_url: str, run_id: str) -> dict[str, int]:
+    """How many of the run's trajectories are in each status, read from the database."""
+    with sqlite3.connect(sqlite_url.split("///", 1)[1]) as db:
+        rows = db.execute(
+            "SELECT status, COUNT(*) FROM trajectories WHERE run_id = ? GROUP BY status",
+            (run_id.replace("-", ""),),
+        )
+        return {str(status): int(count) for status, count in rows}

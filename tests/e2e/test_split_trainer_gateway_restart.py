@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_split_trainer import _config
+from tests.e2e.test_split_trainer import _config, trajectory_statuses
 from tests.integration.test_gateway_crash import _wait, gateway_process
 from tests.integration.test_serve import _free_port
 
@@ -103,14 +102,7 @@ def test_the_trainer_rides_out_a_gateway_restart(sqlite_database: str, tmp_path:
     run_dir = tmp_path / "runs" / "split-restart"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
-    db_path = sqlite_database.split("///", 1)[1]
-    with sqlite3.connect(db_path) as db:
-        statuses = dict(
-            db.execute(
-                "SELECT status, COUNT(*) FROM trajectories WHERE run_id = ? GROUP BY status",
-                (run_id.replace("-", ""),),
-            )
-        )
+    statuses = trajectory_statuses(sqlite_database, run_id)
     # Every trained batch was acknowledged once, across the restart. (A lease whose answer
     # the kill cut off would stay `leased` until `rollout.lease_s`: not an error.)
     assert statuses.get("consumed", 0) == sum(int(r["trajectories"]) for r in rows)
