@@ -16,7 +16,9 @@ import typer
 import yaml
 from pydantic import BaseModel
 
+from agentflow.desktop_cli import desktop_app
 from agentflow.errors import AgentFlowError, InvalidInput
+from agentflow.stack_cli import stack_app
 
 app = typer.Typer(help="AgentFlow: train LLM agents with asynchronous RL.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema migrations.", no_args_is_help=True)
@@ -25,6 +27,8 @@ runs_app = typer.Typer(help="Runs.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(envs_app, name="envs")
 app.add_typer(runs_app, name="runs")
+app.add_typer(stack_app, name="stack")
+app.add_typer(desktop_app, name="desktop")
 
 UrlOpt = Annotated[str, typer.Option(envvar="AGENTFLOW_URL", help="gateway base URL")]
 KeyOpt = Annotated[
@@ -335,12 +339,13 @@ def sft(
     config: ConfigArg,
     out: Annotated[Path | None, typer.Option(help="where to save the model")] = None,
 ) -> None:
-    """Warm start only: supervised training on the first env's scripted oracle."""
+    """Warm start only: supervised training on the envs' scripted oracles."""
     run_config = _run_config(config)
     from agentflow.run_config import check_warm_start_env
 
     try:  # also when `warm_start.enabled` is false, which the config's parse checks
-        check_warm_start_env(run_config.envs[0].id, run_config.warm_start.p_oracle)
+        for entry in run_config.envs:
+            check_warm_start_env(entry.id, run_config.warm_start.p_oracle)
     except ValueError as exc:
         raise _fail(ValueError(f"{config}: warm_start: {exc}")) from None
     from trainer.embedded import run_directory, warm_start
@@ -363,7 +368,15 @@ def _positive(value: float) -> float:
 def trainer_command(
     config: ConfigArg,
     gateway: Annotated[str, typer.Option(help="the gateway's base URL")],
-    run_id: Annotated[str, typer.Option("--run", help="the run to train (its id)")],
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run",
+            help="the run to train (its id); without it, the newest pending, running or "
+            "paused run named like the config, else a new run created from the config",
+            show_default=False,
+        ),
+    ] = None,
     api_key: KeyOpt = None,
     retry_window_s: Annotated[
         float,
@@ -384,7 +397,8 @@ def trainer_command(
 
     retry = RetryPolicy(window_s=retry_window_s)
     try:
-        summary = train_remote(run_config, gateway, uuid.UUID(run_id), api_key=api_key, retry=retry)
+        run = uuid.UUID(run_id) if run_id is not None else None
+        summary = train_remote(run_config, gateway, run, api_key=api_key, retry=retry)
     except (AgentFlowError, ValueError, httpx.TransportError) as exc:
         raise _fail(exc) from None
     _print(summary)

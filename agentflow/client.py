@@ -390,6 +390,25 @@ class RetryPolicy:
                 raise InvalidInput(f"must be > 0, not {value}", field=name)
 
 
+async def send_buffered(
+    transport: httpx.AsyncBaseTransport, request: httpx.Request
+) -> tuple[httpx.Response, bytes]:
+    """Send once and read the whole body here, so a body cut short is a transport error of
+    this send (one a retry can cover), not of a later read; the answer and its body."""
+    response = await transport.handle_async_request(request)
+    try:
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+    buffered = httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        stream=httpx.ByteStream(body),
+        extensions=response.extensions,
+    )
+    return buffered, body
+
+
 class _RetryableAnswer(Exception):
     def __init__(self, status_code: int, body: bytes) -> None:
         super().__init__(f"HTTP {status_code}: {body[:300].decode(errors='replace')}")
@@ -479,19 +498,10 @@ class RetryingTransport(httpx.AsyncBaseTransport):
         raise AssertionError("unreachable: tenacity returns or raises")
 
     async def _send_once(self, request: httpx.Request) -> httpx.Response:
-        response = await self._inner.handle_async_request(request)
-        try:
-            body = b"".join([chunk async for chunk in response.aiter_raw()])
-        finally:
-            await response.aclose()
+        response, body = await send_buffered(self._inner, request)
         if response.status_code in RETRY_STATUSES:
             raise _RetryableAnswer(response.status_code, body)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=httpx.ByteStream(body),
-            extensions=response.extensions,
-        )
+        return response
 
     async def aclose(self) -> None:
         await self._inner.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,6 +33,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=1 << 20, ge=1024, description="requests with larger bodies get 422"
     )
+    max_chat_body_bytes: int = Field(
+        default=32 << 20,
+        ge=1024,
+        description="the body limit of the OpenAI-compatible chat routes, whose requests "
+        "carry images inline as base64",
+    )
+    max_image_bytes: int = Field(
+        default=8 << 20, ge=1, description="the largest image (decoded) a chat request may carry"
+    )
     db_echo: bool = Field(default=False, description="log every SQL statement")
     db_synchronous_commit: bool = Field(
         default=False,
@@ -46,6 +56,18 @@ class Settings(BaseSettings):
         default=None,
         description="base URL black-box agents use to reach this gateway; unset: the "
         "address `agentflow serve` actually binds (checked at startup when set)",
+    )
+
+    blob_store: Literal["auto", "file", "database"] = Field(
+        default="auto",
+        description="where image bytes (screenshots) go: `file` (a directory), `database` "
+        "(the `blob_data` table), or `auto`: file beside a SQLite database, the table on "
+        'PostgreSQL (docs/decisions.md, "Images as blobs")',
+    )
+    blob_dir: str | None = Field(
+        default=None,
+        description="the file store's directory; unset: `<sqlite file>-blobs` beside the "
+        "database file",
     )
 
     @field_validator("database_url")

@@ -384,6 +384,10 @@ class WarmStartConfig(_Section):
     p_oracle: float = Field(
         default=0.35, ge=0.0, le=1.0, description="chance of the oracle's move (else random)"
     )
+    min_reward: float | None = Field(
+        default=None,
+        description="train only on oracle episodes with at least this reward; None: all",
+    )
     epochs: float = Field(default=2.0, gt=0, le=100, description="passes over the data")
     batch_size: int = Field(default=128, ge=1, le=65536, description="sequences per step")
     lr: float = Field(default=1e-3, gt=0, le=1.0, description="peak AdamW learning rate")
@@ -391,6 +395,9 @@ class WarmStartConfig(_Section):
     max_seconds: float | None = Field(default=None, gt=0, description="time cap; None: none")
     eval_episodes: int = Field(
         default=400, ge=0, le=1_000_000, description="sampled episodes to evaluate it on"
+    )
+    concurrency: int = Field(
+        default=1, ge=1, le=4096, description="episodes played at once (browser envs wait)"
     )
 
 
@@ -485,12 +492,13 @@ class RunConfig(_Section):
     def _warm_start_env(cls, value: WarmStartConfig, info: ValidationInfo) -> WarmStartConfig:
         envs = info.data.get("envs")
         if value.enabled and envs:
-            check_warm_start_env(envs[0].id, value.p_oracle)
+            for entry in envs:  # the warm start plays every env of the mix
+                check_warm_start_env(entry.id, value.p_oracle)
         return value
 
 
 def check_warm_start_env(env_id: str, p_oracle: float) -> None:
-    """The warm start plays the first env's noisy oracle (`trainer.sft.noisy_policy`):
+    """The warm start plays each env's noisy oracle (`trainer.sft.noisy_policy`):
     a built-in registry env with an oracle, and a `noisy_oracle` unless p_oracle is 1.
     Raises ValueError saying what is missing."""
     from envs import registry
@@ -501,7 +509,7 @@ def check_warm_start_env(env_id: str, p_oracle: float) -> None:
     except EnvError:
         with_oracle = [e for e in registry.registered() if registry.spec(e).oracle is not None]
         raise ValueError(
-            f"the warm start plays envs[0]'s scripted oracle, and {env_id!r} is not a "
+            f"the warm start plays each env's scripted oracle, and {env_id!r} is not a "
             f"built-in env (those with an oracle: {', '.join(with_oracle)})"
         ) from None
     if entry.oracle is None:

@@ -35,6 +35,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from agentflow.errors import InvalidInput
+from agentflow.images import check_image, is_blob_id
 
 TurnKind = Literal["prompt", "policy", "env", "tool"]
 TURN_KINDS: frozenset[str] = frozenset(get_args(TurnKind))
@@ -110,6 +111,11 @@ class TurnRecord:
     neither. `loss_mask` defaults to all 1 for policy turns and all 0 otherwise; a 1 is
     only allowed where there is a log-prob (a policy token). Sequences are normalized to
     tuples of Python ints/floats.
+
+    `images` (non-policy turns) are what the turn showed besides its tokens, in order: an
+    env observation's screenshot, a chat request's image parts. Each is PNG or JPEG bytes,
+    or the id of a blob already stored; they are stored once each as blobs and the turn
+    links to them, never holding the bytes in its row.
     """
 
     kind: TurnKind
@@ -121,6 +127,7 @@ class TurnRecord:
     reward: float | None = None
     finish_reason: str | None = None
     timings: Mapping[str, float] = field(default_factory=dict)
+    images: tuple[bytes | str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in TURN_KINDS:
@@ -180,6 +187,24 @@ class TurnRecord:
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise InvalidInput(f"timing {key!r} must be finite seconds >= 0", field="timings")
         set_(self, "timings", dict(self.timings))
+        set_(self, "images", _images(self.images, self.kind))
+
+
+def _images(images: Sequence[bytes | str], kind: str) -> tuple[bytes | str, ...]:
+    if not images:
+        return ()
+    if kind == "policy":
+        raise InvalidInput("policy turns carry no images", field="images")
+    out: list[bytes | str] = []
+    for index, image in enumerate(images):
+        where = ("images", str(index))
+        if isinstance(image, bytes | bytearray | memoryview):
+            image = bytes(image)
+            check_image(image, where)
+        elif not is_blob_id(image):
+            raise InvalidInput("an image is PNG/JPEG bytes or a blob id (sha256 hex)", field=where)
+        out.append(image)
+    return tuple(out)
 
 
 Segment = TurnRecord  # the docs speak of a turn's "segment"; both names mean this type
@@ -214,6 +239,7 @@ class StoredTurn:
     finish_reason: str | None
     timings: dict[str, Any]
     created_at: datetime
+    images: tuple[str, ...] = ()  # blob ids, in order (`GET /v1/blobs/{id}`)
 
     def record(self) -> TurnRecord:
         """The segment as it was written."""
@@ -227,6 +253,7 @@ class StoredTurn:
             reward=self.reward,
             finish_reason=self.finish_reason,
             timings=self.timings,
+            images=self.images,
         )
 
 

@@ -401,6 +401,9 @@ class LatencyModelEngine:
                         stored.kv_valid = False
         return version
 
+    async def accepts_images(self) -> bool:
+        return False  # a model of a text engine's timing
+
     async def info(self) -> EngineInfo:
         cfg, stats = self.config, self.stats
         now = time.perf_counter()

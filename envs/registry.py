@@ -25,9 +25,10 @@ with :class:`EnvConfigError` before any import happens.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,11 @@ class EnvEntry:
 _registry: dict[str, EnvEntry] = {}
 _allowed: list[str] = list(DEFAULT_MODULES)
 _kind_resolvers: dict[str, Callable[[Any], Env]] = {}
+_shared_closers: list[Callable[[], Awaitable[None]]] = []
+_BUILTIN_KIND_RESOLVERS = {
+    "browser": "envs.browser.env:from_spec",
+    "desktop": "envs.desktop.env:from_spec",
+}
 
 
 def validate_id(env_id: str) -> str:
@@ -177,10 +183,29 @@ def noisy_oracle_factory(env_id: str) -> Callable[[float, int], OraclePolicy] | 
         return None
     module = entry.oracle.partition(":")[0]
     try:
-        factory: Callable[[float, int], OraclePolicy] = load_entry_point(f"{module}:noisy_oracle")
+        factory: Callable[..., OraclePolicy] = load_entry_point(f"{module}:noisy_oracle")
     except EnvConfigError:
         return None
+    if "oracle" in inspect.signature(factory).parameters:
+        # One module's noisy player for many envs (a suite's tasks): told which oracle.
+        solver = oracle(env_id)
+        return lambda p_oracle, seed: factory(p_oracle, seed, oracle=solver)
     return factory
+
+
+def on_close_shared(closer: Callable[[], Awaitable[None]]) -> None:
+    """Run `closer` at :func:`close_shared`: for resources envs share across episodes
+    within one event loop (the browser pool), which must end before their loop does."""
+    if closer not in _shared_closers:
+        _shared_closers.append(closer)
+
+
+async def close_shared() -> None:
+    """Close what envs share (see :func:`on_close_shared`); called when a run, a warm
+    start or an evaluation ends its event loop, and at gateway shutdown."""
+    closers, _shared_closers[:] = list(_shared_closers), []
+    for closer in closers:
+        await closer()
 
 
 def register_kind_resolver(kind: str, resolver: Callable[[Any], Env]) -> None:
@@ -215,6 +240,10 @@ def resolve(env_spec: EnvSpec, *, docker_client: Any | None = None) -> Env:
 
         return ContainerEnv(env_spec, docker_client)
     resolver = _kind_resolvers.get(env_spec.kind)
+    if resolver is None and env_spec.kind in _BUILTIN_KIND_RESOLVERS:
+        # Imported on first use: the browser and desktop envs pull in Playwright.
+        resolver = load_entry_point(_BUILTIN_KIND_RESOLVERS[env_spec.kind])
+        _kind_resolvers[env_spec.kind] = resolver
     if resolver is None:
         raise EnvConfigError(f"no resolver is registered for env kind {env_spec.kind!r}")
     return resolver(env_spec)
@@ -242,6 +271,14 @@ def _register_builtins() -> None:
     )
     for env_id, entry_point in adapters:
         register(env_id, f"envs.adapters.{entry_point}", replace=True)
+    # MiniWoB++ pages (listed from the miniwob wheel's folder; Playwright loads on reset).
+    from envs.browser.miniwob import register_miniwob_tasks
+
+    register_miniwob_tasks()
+    # Desktop tasks (Xvfb + VNC + noVNC, driven through the noVNC page).
+    from envs.desktop.tasks import register_desktop_tasks
+
+    register_desktop_tasks()
 
 
 BUILTIN_ENVS = ("agentflow/guess-number-v0", "agentflow/calc-tool-v0", "agentflow/lookup-v0")

@@ -6,6 +6,7 @@ back and replaces the local copy. Processes never outlive an exec (as with bwrap
 ``stdin`` travels as JSON text, so bytes must be UTF-8.
 
 It isolates whatever the service's backend isolates; the client itself runs nothing.
+``api_key``: the key of a service started with one, sent as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class HttpSandbox:
         network_timeout_s: float = 30.0,
         retries: int = 1,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         if retries < 0:
             raise ValueError("retries must be >= 0")
@@ -47,8 +49,9 @@ class HttpSandbox:
         self._retries = retries
         self._files: dict[str, bytes] = {}
         self._closed = False
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
-            base_url=base_url, transport=transport, timeout=network_timeout_s
+            base_url=base_url, headers=headers, transport=transport, timeout=network_timeout_s
         )
 
     async def exec(

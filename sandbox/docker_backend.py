@@ -35,6 +35,19 @@ What it does not isolate
       the work dir while the command runs.
     * Files put in with ``write_file`` are written by the engine, so their memory is
       charged to the engine, not the container (they still count against the caps).
+    * ``read_file`` goes through the engine, which reads as root and follows symlinks in
+      the path's directories (inside the container). So it first checks, as the sandbox
+      user, that no component of the path is a symlink, and returns only files the
+      sandbox user owns or everyone may read. A process left running in the sandbox
+      could still swap a directory for a symlink between that check and the engine's
+      read; the ownership check then limits what it can get to world-readable files of
+      the image. ``write_file`` replaces a planted symlink with a directory or file of
+      its own (writes stay in the work dir).
+    * A process killed by the container's OOM killer while its command still exits 0
+      (a parent that ignores its children's deaths) is ``finished``, not
+      ``memory_limit``: the engine records no OOM kill for exec'd processes, and reading
+      the container's OOM counter would cost one more exec per command. A command that
+      hits its own address-space limit is ``memory_limit`` as with bwrap.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import math
 import tarfile
 import time
 import uuid
@@ -83,6 +97,9 @@ OUTER_GRACE_S = 5.0
 _STDIN_DIR = ".sandbox"
 # RLIMIT_AS (in KiB) for the command and everything it starts.
 _AS_LIMIT = 'ulimit -v {kib} && exec "$@"'
+# Exits 3 when a component of $1/$2/$3/... is a symlink (run as USER before a read).
+_NO_SYMLINK = 'p="$1"; shift; for c; do p="$p/$c"; if [ -L "$p" ]; then exit 3; fi; done'
+_SYMLINK_FOUND = 3
 
 
 def _tar_one(name: str, data: bytes) -> bytes:
@@ -113,6 +130,10 @@ def _untar_one(chunks: Iterable[bytes], max_bytes: int) -> bytes:
             raise SandboxFileError("not a regular file")
         if member.size > max_bytes:
             raise SandboxFileError(f"file is over {max_bytes} bytes")
+        if member.uid != NOBODY and not member.mode & 0o004:
+            # The engine read it as root: had a swapped-in symlink led it out of the work
+            # dir, this keeps files the sandbox user could not read out of the answer.
+            raise SandboxFileError("not readable by the sandbox user")
         f = tar.extractfile(member)
         assert f is not None
         return f.read()
@@ -150,7 +171,7 @@ class DockerSandbox:
             f"nr_inodes={self.limits.max_workdir_files + 1},"  # the root dir takes one
             f"uid={NOBODY},gid={NOBODY},mode=0755"
         )
-        cpu = int(self.limits.cpu_time_s) + 1
+        cpu = math.ceil(self.limits.cpu_time_s)  # as bwrap: SIGXCPU at the limit, SIGKILL 1 s on
         try:
             self._volume = self._client.volumes.create(
                 name=f"agentflow-sandbox-{self.id}",
@@ -302,6 +323,18 @@ class DockerSandbox:
         with contextlib.suppress(Exception):
             self.container.exec_run(["rm", "-f", "--", path], user=USER)
 
+    def _refuse_symlinks(self, path: str, rel: PurePosixPath) -> None:
+        try:
+            code = self.container.exec_run(
+                ["sh", "-c", _NO_SYMLINK, "sh", WORKDIR, *rel.parts], user=USER
+            )[0]
+        except Exception as exc:  # docker.errors.APIError: e.g. no process slot left
+            raise SandboxFileError(f"cannot check {path!r} for symlinks: {exc}") from exc
+        if code == _SYMLINK_FOUND:
+            raise SandboxFileError(f"cannot read {path!r}: a symlink in its path")
+        if code != 0:
+            raise SandboxFileError(f"cannot check {path!r} for symlinks (exit {code})")
+
     def _oom_killed(self) -> bool:
         with contextlib.suppress(Exception):
             self.container.reload()
@@ -333,6 +366,9 @@ class DockerSandbox:
     async def read_file(self, path: str) -> bytes:
         self._check_open()
         rel = relative_path(path)
+        # The engine resolves symlinks in the parent directories as root: a command that
+        # planted ``out -> /etc`` would otherwise get read_file("out/shadow").
+        await asyncio.to_thread(self._refuse_symlinks, path, rel)
         try:
             chunks, _stat = await asyncio.to_thread(self.container.get_archive, f"{WORKDIR}/{rel}")
         except Exception as exc:  # docker.errors.NotFound and friends

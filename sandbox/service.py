@@ -7,7 +7,15 @@ the work dir's files when ``return_files`` is set. Bad input is a 422; limits ab
 service's maximum are a 422; a sandbox that fails is a 503 for that request only.
 ``GET /health`` reports the pool.
 
-Run it with ``python -m sandbox.service --port 8300``.
+With an API key (``create_app(api_key=...)``, ``--api-key``), every request but
+``GET /health`` must carry ``Authorization: Bearer <key>``; one without it, or with
+another key, is a 401 before anything of the request is read, so a caller without the
+key learns nothing about the routes or their schemas.
+
+Run it with ``python -m sandbox.service --port 8300``. Each option also has an environment
+variable, for a container configured from its environment (the flag wins):
+``AGENTFLOW_SANDBOX_HOST``, ``AGENTFLOW_SANDBOX_PORT``, ``AGENTFLOW_SANDBOX_BACKEND``,
+``AGENTFLOW_SANDBOX_POOL_SIZE``, ``AGENTFLOW_SANDBOX_API_KEY`` (empty: no key).
 """
 
 from __future__ import annotations
@@ -15,14 +23,18 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import Base64Bytes, BaseModel, ConfigDict, Field, field_validator
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandbox import open_sandbox
+from sandbox import BACKENDS, open_sandbox
 from sandbox.base import ExecResult, Sandbox, SandboxError, SandboxFileError, SandboxLimits
 from sandbox.commands import ENV_NAME
 from sandbox.pool import SandboxPool
@@ -112,6 +124,52 @@ async def _collect_files(sandbox: Sandbox) -> tuple[dict[str, str], bool]:
     return files, False
 
 
+def key_problem(authorization: bytes | None, api_key: str) -> str | None:
+    """Why an ``Authorization`` header (its raw value) does not carry ``api_key``, or None."""
+    scheme, _, token = (authorization or b"").partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token:
+        return "missing API key: send `Authorization: Bearer <key>`"
+    # The header's raw bytes against the key's UTF-8 bytes: compare_digest refuses str with
+    # non-ASCII characters, and the raw bytes need no guess at the header's encoding.
+    if not hmac.compare_digest(token, api_key.encode()):
+        return "wrong API key"
+    return None
+
+
+class RequireApiKey:
+    """ASGI middleware: a 401 for any request but ``GET /health`` without the key.
+
+    A middleware rather than a route dependency: FastAPI solves dependencies and the body
+    together, so a request with neither key nor valid body would get the body's 422 (and
+    learn the schema) instead of the 401. Here the key is checked before routing, so an
+    unknown path is a 401 too, not a 404.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        # A key with edge whitespace could never match: the token is read stripped.
+        if not api_key or api_key != api_key.strip():
+            raise ValueError("the API key must be non-empty, without edge whitespace")
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/health"):
+            await self.app(scope, receive, send)  # lifespan events, and the health check
+            return
+        authorization = next(
+            (value for name, value in scope["headers"] if name.lower() == b"authorization"), None
+        )
+        problem = key_problem(authorization, self.api_key)
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            {"detail": problem}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+        await response(scope, receive, send)
+
+
 def create_app(
     factory: SandboxFactory | None = None,
     *,
@@ -120,9 +178,22 @@ def create_app(
     max_limits: SandboxLimits | None = None,
     pool_size: int = 2,
     max_active: int = 8,
+    api_key: str | None = None,
+    image: str | None = None,
 ) -> FastAPI:
-    """The service app; ``factory(limits)`` opens a sandbox (default: ``open_sandbox``)."""
-    make: SandboxFactory = factory or (lambda limits: open_sandbox(backend, limits=limits))
+    """The service app; ``factory(limits)`` opens a sandbox (default: ``open_sandbox``).
+
+    ``image``: the docker backend's image (its default otherwise); bwrap takes none.
+
+    ``api_key``: when set (not empty), every route but ``GET /health`` needs
+    ``Authorization: Bearer <api_key>``.
+    """
+    if image is not None and backend != "docker":
+        raise ValueError(f"an image is for the docker backend, not {backend!r}")
+    options: dict[str, Any] = {"image": image} if image is not None else {}
+    make: SandboxFactory = factory or (
+        lambda limits: open_sandbox(backend, limits=limits, **options)
+    )
     defaults = default_limits or SandboxLimits()
     ceiling = max_limits or SandboxLimits(
         wall_time_s=60, cpu_time_s=60, memory_mb=2048, max_processes=256
@@ -141,6 +212,8 @@ def create_app(
 
     app = FastAPI(title="AgentFlow sandbox service", lifespan=lifespan)
     app.state.pool = pool
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -183,16 +256,45 @@ async def _run(sandbox: Sandbox, req: ExecRequest) -> ExecResponse:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sandbox.service", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8300)
-    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap")
-    parser.add_argument("--pool-size", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        prog="python -m sandbox.service",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ.get
+    # A default from the environment is a string; argparse runs `type` on string defaults
+    # too, so a bad AGENTFLOW_SANDBOX_PORT fails like a bad --port.
+    parser.add_argument("--host", default=env("AGENTFLOW_SANDBOX_HOST") or "127.0.0.1")
+    parser.add_argument("--port", type=int, default=env("AGENTFLOW_SANDBOX_PORT") or 8300)
+    parser.add_argument("--backend", choices=BACKENDS, default=env("AGENTFLOW_SANDBOX_BACKEND"))
+    parser.add_argument("--pool-size", type=int, default=env("AGENTFLOW_SANDBOX_POOL_SIZE") or 2)
     parser.add_argument("--max-active", type=int, default=8)
+    parser.add_argument(
+        "--api-key",
+        default=env("AGENTFLOW_SANDBOX_API_KEY", ""),
+        help="require `Authorization: Bearer <key>` on every route but GET /health (empty: no key)",
+    )
+    parser.add_argument(
+        "--image",
+        default=env("AGENTFLOW_SANDBOX_IMAGE") or None,
+        help="the docker backend's image (commands run in it)",
+    )
     args = parser.parse_args(argv)
+    # argparse checks `choices` against the command line only, not against a default.
+    backend = args.backend or "bwrap"
+    if backend not in BACKENDS:
+        parser.error(f"AGENTFLOW_SANDBOX_BACKEND={backend!r}: expected one of {BACKENDS}")
+    if args.image is not None and backend != "docker":
+        parser.error(f"--image (AGENTFLOW_SANDBOX_IMAGE) is for the docker backend, not {backend}")
     import uvicorn
 
-    app = create_app(backend=args.backend, pool_size=args.pool_size, max_active=args.max_active)
+    app = create_app(
+        backend=backend,
+        pool_size=args.pool_size,
+        max_active=args.max_active,
+        api_key=args.api_key.strip() or None,  # a key file's trailing newline is no part of it
+        image=args.image,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

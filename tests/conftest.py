@@ -56,3 +56,19 @@ async def db_engine(database_url: str) -> AsyncIterator[AsyncEngine]:
     engine = create_engine(database_url)
     yield engine
     await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[None]:
+    """A Docker engine that answers (started for this session if none did)."""
+    from tests.support.docker_engine import docker_engine as engine
+
+    yield from engine()
+
+
+@pytest.fixture(scope="session")
+def sandbox_runtime_image(docker_engine: None) -> str:
+    """The Docker sandboxes' image, built (or found in the engine's cache) from this checkout."""
+    from agentflow.stack import build_sandbox_runtime_image
+
+    return build_sandbox_runtime_image(Path(__file__).resolve().parents[1])

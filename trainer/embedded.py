@@ -14,12 +14,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.db import migrate
+from agentflow.db.blobs import blob_store_for
 from agentflow.db.runs import LIVE_RUN_STATUSES
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
@@ -27,6 +29,7 @@ from agentflow.errors import InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.manager import RunManager
 from agentflow.run_config import RunConfig, check_device
+from envs import registry
 from trainer.backends.torch_backend import TorchPolicy
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
@@ -78,18 +81,25 @@ def _with_warm_start(config: RunConfig, directory: Path) -> RunConfig:
     sft_dir = directory / "sft"
     if not (sft_dir / "config.json").is_file():
         print(f"warm start: supervised training on {warm.n_episodes} oracle episodes", flush=True)
-        metrics = warm_start(config, sft_dir)
+        metrics = warm_start(config, sft_dir, progress=lambda line: print(line, flush=True))
         print(f"warm start done: {metrics.get('eval', {})}", flush=True)
     model = config.model.model_copy(update={"path": str(sft_dir.resolve())})
     return config.model_copy(update={"model": model})
 
 
-def warm_start(config: RunConfig, out_dir: Path) -> dict[str, Any]:
-    """SFT on the first env's noisy oracle, as `[warm_start]` says; the model goes to
+def warm_start(
+    config: RunConfig, out_dir: Path, *, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """SFT on the envs' noisy oracles, as `[warm_start]` says; the model goes to
     `out_dir`. Returns the warm start's metrics (with its evaluation)."""
     from trainer.sft import run_sft
 
-    return run_sft(warm_start_config(config), config.model.path or config.model.init, out_dir)
+    return run_sft(
+        warm_start_config(config),
+        config.model.path or config.model.init,
+        out_dir,
+        progress=progress,
+    )
 
 
 def warm_start_config(config: RunConfig) -> SftConfig:
@@ -98,7 +108,9 @@ def warm_start_config(config: RunConfig) -> SftConfig:
     from trainer.sft import SftConfig
 
     return SftConfig(
-        env_id=config.envs[0].id,
+        # Every env of the mix, in turn: the warm start sees what RL will.
+        env_id=[e.id for e in config.envs] if len(config.envs) > 1 else config.envs[0].id,
+        env_kwargs={e.id: dict(e.kwargs) for e in config.envs if e.kwargs},
         max_turns=config.agent.max_turns,
         max_tokens=config.agent.max_tokens,
         max_new_tokens=config.agent.max_new_tokens,
@@ -122,8 +134,8 @@ def train_embedded(config: RunConfig) -> dict[str, Any]:
 
 async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]:
     engine = create_engine(url)
-    turns = TurnTree(session_factory(engine))
     settings = Settings(database_url=url)
+    turns = TurnTree(session_factory(engine), blob_store=blob_store_for(settings))
     manager = RunManager(turns, RuntimeRegistry(), settings, trainer_in_process=True)
     report = RunReport(directory, config.trainer.steps)
     report.write_config(config.model_dump(mode="json"))
@@ -180,7 +192,10 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
             }
         )
     finally:
-        await manager.shutdown()
+        try:
+            await manager.shutdown()
+        finally:
+            await registry.close_shared()  # the browsers envs share, and the like
         await engine.dispose()
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentflow.agents.actions import SampledActions
 from agentflow.agents.base import Budget
@@ -58,6 +59,7 @@ async def sample_episode(
     *,
     budget: Budget | None = None,
     system_prompt: str | None = None,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> SampledEpisode:
     """One episode played by the episode loop on `runtime`'s engine, kept in memory.
     Success is the env's `info["success"]` at the end, else "terminated with a positive
@@ -68,7 +70,7 @@ async def sample_episode(
         runtime.max_context,
         system_prompt=system_prompt,
     )
-    env = registry.make(env_id)
+    env = registry.make(env_id, **(env_kwargs or {}))
     recorder = MemoryRecorder()
     try:
         outcome = await loop.play(
@@ -88,7 +90,7 @@ async def sample_episode(
 
 async def evaluate(
     policy: PreTrainedModel | LocalEngine,
-    env_id: str,
+    env_id: str | Sequence[str],
     n: int,
     template: ChatTemplate,
     *,
@@ -99,6 +101,7 @@ async def evaluate(
     max_new_tokens: int = 16,
     concurrency: int = 128,
     system_prompt: str | None = None,
+    env_kwargs: dict[str, dict[str, Any]] | None = None,
 ) -> EvalMetrics:
     """Mean reward and success rate over `n` sampled episodes, `concurrency` at a time.
 
@@ -127,20 +130,29 @@ async def evaluate(
     budget = Budget(max_turns=max_turns, max_tokens=max_tokens)
     rng = random.Random(seed)
     seeds = [rng.getrandbits(31) for _ in range(n)]
+    env_ids = [env_id] if isinstance(env_id, str) else list(env_id)
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(env_seed: int) -> SampledEpisode:
+    async def one(i: int, env_seed: int) -> SampledEpisode:
         async with gate:
             return await sample_episode(
-                runtime, env_id, env_seed, budget=budget, system_prompt=system_prompt
+                runtime,
+                env_ids[i % len(env_ids)],  # several envs take turns
+                env_seed,
+                budget=budget,
+                system_prompt=system_prompt,
+                env_kwargs=(env_kwargs or {}).get(env_ids[i % len(env_ids)]),
             )
 
     started = time.perf_counter()
     try:
-        results = await asyncio.gather(*(one(s) for s in seeds))
+        results = await asyncio.gather(*(one(i, s) for i, s in enumerate(seeds)))
     finally:
-        if own:
-            await engine.close()
+        try:
+            if own:
+                await engine.close()
+        finally:
+            await registry.close_shared()
     seconds = time.perf_counter() - started
     count = max(1, n)
     return EvalMetrics(

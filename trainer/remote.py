@@ -1,4 +1,4 @@
-"""`agentflow trainer CONFIG --gateway URL --run ID`: the split form's trainer.
+"""`agentflow trainer CONFIG --gateway URL [--run ID]`: the split form's trainer.
 
 The gateway executes the run (engines, envs, agents, database); this process leases
 trajectories over HTTP, trains, and publishes each version with `disk` sync: a
@@ -16,18 +16,34 @@ Every call to the gateway goes through a `RetryingTransport`: a gateway that res
 within the retry window (`--retry-window-s`) costs this process waits, not its state;
 one that stays away ends it with `GatewayUnavailable`. docs/training.md ("When the
 gateway goes away") says why each call is safe to send again.
+
+Without a run id the trainer trains the newest open run named like its config, or creates
+one (`find_or_create_run`): a trainer that restarts (a container restarted on failure)
+takes up the same run rather than starting a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from agentflow.client import AsyncClient, GatewayUnavailable, RetryingTransport, RetryPolicy
+from agentflow.api.schemas.runs import RunPublic
+from agentflow.client import (
+    RETRY_STATUSES,
+    AsyncClient,
+    GatewayUnavailable,
+    RetryingTransport,
+    RetryPolicy,
+    send_buffered,
+)
 from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
@@ -47,16 +63,29 @@ _SHARED: tuple[tuple[str, ...], ...] = (
     ("trainer", "batch_episodes"),
 )
 
+log = logging.getLogger(__name__)
+
+# The runs a trainer started without `--run` takes up again. `pending` too, once it has
+# started: a run is pending while the gateway builds its engine, which is when a trainer
+# killed during its `POST /v1/runs` comes back. A run that ended (stopped, finished,
+# failed) is not trained again: a new one is created.
+OPEN_RUN_STATUSES = ("pending", "running", "paused")
+# `POST /v1/runs` answers once the run's engine is built, which may load a large model;
+# also how long a pending run may take to start.
+_CREATE_TIMEOUT_S = 1800.0
+_PENDING_POLL_S = 2.0
+
 
 def train_remote(
     config: RunConfig,
     gateway: str,
-    run_id: uuid.UUID,
+    run_id: uuid.UUID | None = None,
     *,
     api_key: str | None = None,
     retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
-    """`retry`: how long each call waits out a gateway that went away (default 5 min)."""
+    """`retry`: how long each call waits out a gateway that went away (default 5 min).
+    Without `run_id`, the run is `find_or_create_run`'s, named on stderr."""
     check_split_form(config)
     if config.trainer.threads:
         import torch
@@ -105,6 +134,167 @@ def _at(document: dict[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
+async def find_or_create_run(
+    config: RunConfig,
+    gateway: str,
+    *,
+    api_key: str | None = None,
+    retry: RetryPolicy | None = None,
+    pending_wait_s: float = _CREATE_TIMEOUT_S,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[RunPublic, bool]:
+    """The run named `config.name` to train, and whether it was created here.
+
+    The newest run of that name that is running or paused, or pending and then starts
+    within `pending_wait_s`; else a new run created from `config`. A run that ended is
+    never taken up. The lookups are retried like every call; the create is not resent
+    blind (`_create_run`). `transport`: the connection to the gateway under both (tests
+    put faults there).
+    """
+    policy = retry or RetryPolicy()
+    retrying = RetryingTransport(policy, transport)
+    async with (
+        AsyncClient(gateway, api_key=api_key, transport=retrying) as api,
+        AsyncClient(
+            gateway, api_key=api_key, timeout_s=_CREATE_TIMEOUT_S, transport=_SendOnce(transport)
+        ) as once,
+    ):
+        never_started = False
+        while True:
+            found = await _newest_open_run(api, config.name, pending=not never_started)
+            if found is None:
+                created = await _create_run(api, once, config, policy, pending_wait_s, gateway)
+                return created, True
+            if found.status != "pending":
+                return found, False
+            started = await _started(api, found, pending_wait_s)
+            if started.status == "pending":
+                # Nothing starts a run left pending (a gateway that died while building its
+                # engine, or `?start=false`): waiting longer would wait forever.
+                log.warning(
+                    "run %s is still pending after %g s; not taking it up", found.id, pending_wait_s
+                )
+                never_started = True
+            elif started.status in OPEN_RUN_STATUSES:
+                return started, False
+            # It ended while starting: look again, which skips it.
+
+
+async def _create_run(
+    api: AsyncClient,
+    once: AsyncClient,
+    config: RunConfig,
+    policy: RetryPolicy,
+    pending_wait_s: float,
+    gateway: str,
+) -> RunPublic:
+    """`POST /v1/runs`, never resent blind.
+
+    When the create gets no usable answer (none, or a 502/503/504), the gateway may have
+    stored the run anyway, so the runs of that name are read first: a new one is taken
+    (once it has started), one that ended is an error naming its status and error, and
+    only when there is none is the create sent again, within `policy`'s window.
+    """
+    before = await _newest_run(api, config.name)
+    first_failure: float | None = None
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await once.create_run(config)
+        except _NoAnswer as exc:
+            unanswered = exc
+        newest = await _newest_run(api, config.name)
+        if newest is not None and (before is None or newest.id != before.id):
+            # Stored by the create whose answer was lost.
+            newest = await _started(api, newest, pending_wait_s)
+            if newest.status in ("running", "paused"):
+                return newest
+            said = f": {newest.error}" if newest.error else ""
+            if newest.status == "pending":
+                said = f" after {pending_wait_s:g} s"
+            raise AgentFlowError(
+                f"run {newest.id} ({config.name!r}) was created but is {newest.status}{said}"
+            )
+        now = time.monotonic()
+        first_failure = now if first_failure is None else first_failure
+        left = first_failure + policy.window_s - now
+        if left <= 0:
+            raise GatewayUnavailable(
+                f"the gateway at {gateway} did not answer for {policy.window_s:g} s "
+                f"(POST /v1/runs, {attempt} attempts; last error: {unanswered})"
+            )
+        # Full jitter, as `RetryingTransport` waits between its own retries.
+        cap = min(policy.max_wait_s, policy.first_wait_s * 2 ** (attempt - 1))
+        wait = min(random.uniform(0, cap), left)
+        log.warning(
+            "POST /v1/runs failed (attempt %d): %s; no run was stored, creating it again in %.1f s",
+            attempt,
+            unanswered,
+            wait,
+        )
+        await asyncio.sleep(wait)
+
+
+async def _started(api: AsyncClient, run: RunPublic, wait_s: float) -> RunPublic:
+    """`run` once it is no longer pending (its engine built, or failed), or as it is
+    after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    if run.status == "pending":
+        log.warning("run %s is pending (its engine is being built); waiting for it", run.id)
+    while run.status == "pending" and time.monotonic() < deadline:
+        await asyncio.sleep(min(_PENDING_POLL_S, max(0.0, deadline - time.monotonic())))
+        run = await api.get_run(run.id)
+    return run
+
+
+async def _newest_open_run(api: AsyncClient, name: str, *, pending: bool) -> RunPublic | None:
+    # One query per status: each answers its newest run, however many ended runs share
+    # the name.
+    statuses = OPEN_RUN_STATUSES if pending else ("running", "paused")
+    candidates = [
+        page.items[0]
+        for status in statuses
+        if (page := await api.list_runs(status=status, name=name, limit=1)).items
+    ]
+    return max(candidates, key=lambda run: run.created_at, default=None)
+
+
+async def _newest_run(api: AsyncClient, name: str) -> RunPublic | None:
+    page = await api.list_runs(name=name, limit=1)
+    return page.items[0] if page.items else None
+
+
+class _NoAnswer(Exception):
+    """A request that got no usable answer: it may or may not have been carried out."""
+
+
+class _SendOnce(httpx.AsyncBaseTransport):
+    """Sends a request once; what `RetryingTransport` would retry is raised as `_NoAnswer`
+    (transport errors, a body cut short, 502/503/504), any other answer is returned."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._inner = transport or httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response, body = await send_buffered(self._inner, request)
+        except httpx.TransportError as exc:
+            # All of them, not only the transient ones `RetryingTransport` retries: the
+            # lookups before this call reach the same URL, so a mistake of this side
+            # (a bad scheme, a proxy) has already failed there.
+            said = str(exc).rstrip(".")
+            described = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+            raise _NoAnswer(described) from exc
+        if response.status_code in RETRY_STATUSES:
+            text = body[:300].decode(errors="replace")
+            raise _NoAnswer(f"HTTP {response.status_code}: {text}")
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 class RepeatablePublish:
     """A `GatewayWeightTarget` whose publish may be sent twice.
 
@@ -148,13 +338,32 @@ class RepeatablePublish:
 
 
 async def _train(
-    config: RunConfig, gateway: str, run_id: uuid.UUID, api_key: str | None, retry: RetryPolicy
+    config: RunConfig,
+    gateway: str,
+    run_id: uuid.UUID | None,
+    api_key: str | None,
+    retry: RetryPolicy,
 ) -> dict[str, Any]:
     directory = Path(config.trainer.run_dir) / config.name
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    by_name = run_id is None
+    if run_id is None:
+        chosen, created = await find_or_create_run(config, gateway, api_key=api_key, retry=retry)
+        run_id = chosen.id
+        how = "created" if created else f"resumed ({chosen.status})"
+        print(f"trainer: run {run_id} {how}, named {config.name!r}", file=sys.stderr, flush=True)
     async with AsyncClient(gateway, api_key=api_key, transport=RetryingTransport(retry)) as api:
         run = await api.get_run(run_id)  # NotFound, Unauthorized: named errors
-    check_same_run(config, run.config, run_id)
+    try:
+        check_same_run(config, run.config, run_id)
+    except InvalidInput as exc:
+        if not by_name:
+            raise
+        raise InvalidInput(
+            f"{exc.message}; run {run_id} is the newest open run named {config.name!r}: "
+            "stop it (`agentflow runs control ID stop`) or give this config another name",
+            field=exc.field,
+        ) from None
     async with httpx.AsyncClient(
         base_url=gateway, headers=headers, timeout=120, transport=RetryingTransport(retry)
     ) as client:

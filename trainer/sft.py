@@ -86,9 +86,13 @@ def noisy_policy(env_id: str, p_oracle: float, seed: int) -> OraclePolicy:
 
 
 async def _oracle_episode(
-    loop: EpisodeLoop, env_id: str, policy: OraclePolicy, env_seed: int
+    loop: EpisodeLoop,
+    env_id: str,
+    policy: OraclePolicy,
+    env_seed: int,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> SftSequence:
-    env = registry.make(env_id)
+    env = registry.make(env_id, **(env_kwargs or {}))
     recorder = MemoryRecorder()
     try:
         outcome = await loop.play(
@@ -106,7 +110,7 @@ async def _oracle_episode(
 
 
 async def oracle_episodes(
-    env_id: str,
+    env_id: str | Sequence[str],
     n: int,
     template: ChatTemplate,
     *,
@@ -115,12 +119,19 @@ async def oracle_episodes(
     max_turns: int = 6,
     max_tokens: int = 512,
     system_prompt: str | None = None,
+    concurrency: int = 1,
+    env_kwargs: dict[str, dict[str, Any]] | None = None,
 ) -> list[SftSequence]:
     """`n` episodes of the env's noisy oracle, played by the episode loop RL uses (see the
     module docstring). `max_turns`, `max_tokens` and `system_prompt` are the agent's; the
-    same `seed` gives the same episodes."""
+    same `seed` gives the same episodes. Several env ids share the `n` episodes in turn
+    (a run's env mix); `concurrency` episodes play at once (envs that wait on a browser);
+    `env_kwargs` are each env id's arguments (the run's `[[envs]] kwargs`)."""
     if n < 0:
         raise InvalidInput("n must be >= 0", field="n")
+    env_ids = [env_id] if isinstance(env_id, str) else list(env_id)
+    if not env_ids:
+        raise InvalidInput("at least one env id is needed", field="env_id")
     loop = EpisodeLoop(
         template,
         Budget(max_turns=max_turns, max_tokens=max_tokens),
@@ -128,12 +139,22 @@ async def oracle_episodes(
         system_prompt=system_prompt,
     )
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    plan = []
+    for i in range(n):
         env_seed, policy_seed = rng.getrandbits(31), rng.getrandbits(31)
-        policy = noisy_policy(env_id, p_oracle, policy_seed)
-        out.append(await _oracle_episode(loop, env_id, policy, env_seed))
-    return out
+        plan.append((env_ids[i % len(env_ids)], env_seed, policy_seed))
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(env: str, env_seed: int, policy_seed: int) -> SftSequence:
+        async with gate:
+            policy = noisy_policy(env, p_oracle, policy_seed)
+            kwargs = (env_kwargs or {}).get(env)
+            return await _oracle_episode(loop, env, policy, env_seed, kwargs)
+
+    try:
+        return list(await asyncio.gather(*(one(*item) for item in plan)))
+    finally:
+        await registry.close_shared()
 
 
 # -- training ---------------------------------------------------------------------------
@@ -280,7 +301,16 @@ class SftConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    env_id: str = Field(default="agentflow/guess-number-v0", description="env to imitate")
+    env_id: str | list[str] = Field(
+        default="agentflow/guess-number-v0",
+        description="env(s) to imitate; several share the episodes in turn",
+    )
+    concurrency: int = Field(
+        default=1, ge=1, le=4096, description="episodes played at once (data and evaluation)"
+    )
+    env_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="arguments of each env id, as the run gives them"
+    )
     n_episodes: int = Field(default=20_000, ge=1, le=10_000_000, description="oracle episodes")
     p_oracle: float = Field(
         default=0.35,
@@ -288,6 +318,11 @@ class SftConfig(BaseModel):
         le=1.0,
         description="probability of the scripted move at each turn (else a random one); "
         "lower leaves RL more to improve",
+    )
+    min_reward: float | None = Field(
+        default=None,
+        description="train only on episodes with at least this reward (filtered imitation: "
+        "the noisy player's wins); None: every episode",
     )
     max_turns: int = Field(default=6, ge=1, le=1000, description="agent turn budget")
     max_tokens: int = Field(default=512, ge=1, description="agent token budget per episode")
@@ -313,10 +348,17 @@ class SftConfig(BaseModel):
 
 
 def run_sft(
-    config: SftConfig, model: ModelInit | str | Path, out_dir: str | Path
+    config: SftConfig,
+    model: ModelInit | str | Path,
+    out_dir: str | Path,
+    *,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Build or load the model, make the oracle data, train, evaluate (sampled, T=1),
-    save the checkpoint to `out_dir` with `sft_metrics.json` beside it; the metrics."""
+    save the checkpoint to `out_dir` with `sft_metrics.json` beside it; the metrics.
+    `progress` gets a line after each phase and every 20 training steps (a warm start on
+    browser envs takes minutes)."""
+    say = progress or (lambda line: None)
     if isinstance(model, ModelInit):
         net = build_model(model, seed=config.seed)
     else:
@@ -343,25 +385,40 @@ def run_sft(
             max_turns=config.max_turns,
             max_tokens=config.max_tokens,
             system_prompt=config.system_prompt,
+            concurrency=config.concurrency,
+            env_kwargs=config.env_kwargs,
         )
     )
     data_s = time.perf_counter() - started
+    say(
+        f"warm start data: {len(data)} episodes in {data_s:.0f} s, oracle mean reward "
+        f"{sum(s.reward for s in data) / max(1, len(data)):.2f}"
+    )
+    kept = data if config.min_reward is None else [s for s in data if s.reward >= config.min_reward]
+    if not kept:
+        raise InvalidInput(
+            f"no oracle episode reached min_reward {config.min_reward}", field="min_reward"
+        )
     train = sft(
         net,
-        data,
+        kept,
         epochs=config.epochs,
         batch_size=config.batch_size,
         lr=config.lr,
         warmup=config.warmup,
         seed=config.seed,
         max_seconds=config.max_seconds,
+        log=lambda step, loss: say(f"warm start step {step}: loss {loss:.4f}"),
+        log_every=20,
     )
+    say(f"warm start training: {train.steps} steps in {train.seconds:.0f} s")
     metrics: dict[str, Any] = {
         "config": config.model_dump(),
         "data": {
             "episodes": len(data),
             "seconds": round(data_s, 2),
             "oracle_mean_reward": round(sum(s.reward for s in data) / len(data), 4),
+            "trained_on": len(kept),
             "tokens": sum(len(s.token_ids) for s in data),
         },
         "train": asdict(train),
@@ -379,6 +436,8 @@ def run_sft(
                 max_tokens=config.max_tokens,
                 max_new_tokens=config.max_new_tokens,
                 system_prompt=config.system_prompt,
+                concurrency=min(config.concurrency, 128) if config.concurrency > 1 else 128,
+                env_kwargs=config.env_kwargs,
             )
         )
         metrics["eval"] = asdict(result)

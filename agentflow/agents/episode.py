@@ -102,6 +102,13 @@ def env_action(parsed: ParsedAssistant) -> TextAction | ToolCallsAction:
     return TextAction(text=parsed.content[:MAX_TEXT_ACTION])
 
 
+def _images(step: StepResult) -> tuple[bytes, ...]:
+    """The observation's screenshot (browser and desktop envs send one every step), kept
+    as a blob linked from the turn that records the observation."""
+    image = step.observation.image
+    return (image,) if image else ()
+
+
 def observation_messages(step: StepResult) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in step.observation.messages]
 
@@ -161,7 +168,10 @@ class EpisodeLoop:
         if start:
             await self._replay(env, actions, recorder, start, progress)
         else:
-            await self._record(recorder, TurnRecord(kind="prompt", token_ids=tuple(prompt)))
+            await self._record(
+                recorder,
+                TurnRecord(kind="prompt", token_ids=tuple(prompt), images=_images(first)),
+            )
 
         budget = self.budget
         while (ended := progress.ended()) is None:
@@ -201,7 +211,8 @@ class EpisodeLoop:
         """Step the env with a reply and record what it answers."""
         step, env_s, parked_s = await self._step(env, actions, reply_ids)
         delta = self._delta(step, reply_ids)
-        if delta:
+        images = _images(step)
+        if delta or images:  # a screenshot is kept even when no message came with it
             await self._record(
                 recorder,
                 TurnRecord(
@@ -209,6 +220,7 @@ class EpisodeLoop:
                     token_ids=tuple(delta),
                     reward=step.reward,
                     timings={"env": env_s, "parked": parked_s},
+                    images=images,
                 ),
             )
         progress.advance(step, delta)

@@ -17,6 +17,7 @@ from agentflow.api.limits import BodySizeLimit
 from agentflow.api.public_url import PublicUrlCheck, check_public_url
 from agentflow.api.routes import (
     agent_callbacks,
+    blobs,
     chat,
     envs,
     episodes,
@@ -28,11 +29,13 @@ from agentflow.api.routes import (
     weights,
 )
 from agentflow.config import Settings, get_settings
+from agentflow.db.blobs import blob_store_for
 from agentflow.db.migrate import ensure_schema_current
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.manager import RunManager
+from envs import registry
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -49,7 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await ensure_schema_current(engine)  # refuse to serve a schema that is behind
             app.state.sessionmaker = session_factory(engine)
             # One TurnTree per app: it groups concurrent writes (and queues them on SQLite).
-            app.state.turn_tree = TurnTree(app.state.sessionmaker)
+            app.state.turn_tree = TurnTree(
+                app.state.sessionmaker, blob_store=blob_store_for(settings)
+            )
             manager = RunManager(
                 app.state.turn_tree,
                 app.state.runtimes,
@@ -70,7 +75,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             finally:
                 if checking is not None:
                     checking.cancel()
-                await manager.shutdown()
+                try:
+                    await manager.shutdown()
+                finally:
+                    await registry.close_shared()  # the browsers envs share, and the like
         finally:
             await engine.dispose()
 
@@ -80,13 +88,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.runtimes = RuntimeRegistry()
     app.state.metrics = GatewayMetrics()
     app.state.live_episodes = LiveEpisodes()  # black-box episodes' chat state and agents
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_body_bytes=settings.max_body_bytes,
+        max_chat_body_bytes=settings.max_chat_body_bytes,
+    )
     install_error_handlers(app)
     app.include_router(health.router)
     # Black-box agents authenticate with their per-episode key, not the API key.
     app.include_router(chat.router)
     app.include_router(agent_callbacks.router)
     # The rest need the API key; each router declares it (`deps.API_KEY`).
-    for module in (envs, runs, episodes, trajectories, trajectory_stream, metrics, weights):
+    for module in (
+        envs,
+        runs,
+        episodes,
+        trajectories,
+        trajectory_stream,
+        blobs,
+        metrics,
+        weights,
+    ):
         app.include_router(module.router)
     return app

@@ -1,4 +1,8 @@
-"""Refuse request bodies past `max_body_bytes` before anything parses them."""
+"""Refuse request bodies past `max_body_bytes` before anything parses them.
+
+The OpenAI-compatible chat routes carry images inline (base64 data URLs), so they have a
+limit of their own, `max_chat_body_bytes`.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +18,22 @@ class BodySizeLimit:
     route that fails half-way through reading its body would answer 400, not 422.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, max_chat_body_bytes: int | None = None
+    ) -> None:
         self.app = app
         self.limit = max_body_bytes
+        self.chat_limit = max_chat_body_bytes or max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
+        chat = str(scope.get("path", "")).endswith("/chat/completions")
+        limit = self.chat_limit if chat else self.limit
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(send, limit)
             return
         chunks: list[bytes] = []
         size = 0
@@ -34,8 +43,8 @@ class BodySizeLimit:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await self._reject(send)
+            if size > limit:
+                await self._reject(send, limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -51,8 +60,8 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
-        detail = [{"type": "too_long", "loc": ["body"], "msg": f"body exceeds {self.limit} bytes"}]
+    async def _reject(self, send: Send, limit: int) -> None:
+        detail = [{"type": "too_long", "loc": ["body"], "msg": f"body exceeds {limit} bytes"}]
         body = json.dumps({"detail": detail}).encode()
         headers = [
             (b"content-type", b"application/json"),

@@ -149,6 +149,45 @@ class Turn(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Blob(Base):
+    """A stored image (or other bytes), once per content: the id is its SHA-256 in hex.
+
+    The bytes live in the configured `BlobStore` (`agentflow.db.blobs`): a directory, or
+    `BlobData` below. This row is what the API and the links see either way."""
+
+    __tablename__ = "blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    media_type: Mapped[str] = mapped_column(String(100))
+    size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class BlobData(Base):
+    """The bytes of a blob, for the database blob store (PostgreSQL by default)."""
+
+    __tablename__ = "blob_data"
+
+    sha256: Mapped[str] = mapped_column(
+        ForeignKey("blobs.sha256", ondelete="CASCADE"), primary_key=True
+    )
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class TurnBlob(Base):
+    """Which blobs a turn carries, in order (an env turn's screenshot, a chat request's
+    images). A table rather than a JSON list on `turns` so that the database checks each
+    link names a stored blob, and a blob's users can be found by index."""
+
+    __tablename__ = "turn_blobs"
+
+    turn_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256", ondelete="RESTRICT"), index=True)
+
+
 class Trajectory(Base):
     __tablename__ = "trajectories"
     __table_args__ = (Index("ix_trajectories_run_status", "run_id", "status"),)

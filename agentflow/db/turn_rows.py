@@ -69,7 +69,8 @@ def turn_row(turn: NewTurn, depth: int, created_at: datetime) -> dict[str, Any]:
     }
 
 
-def stored_turn(row: Any) -> StoredTurn:
+def stored_turn(row: Any, images: Mapping[uuid.UUID, tuple[str, ...]] | None = None) -> StoredTurn:
+    """The turn of `row`, with its blob ids when `images` (turn id → ids) is given."""
     return StoredTurn(
         id=row.id,
         episode_id=row.episode_id,
@@ -87,6 +88,7 @@ def stored_turn(row: Any) -> StoredTurn:
         finish_reason=row.finish_reason,
         timings=dict(row.timings or {}),
         created_at=aware(row.created_at),
+        images=images.get(row.id, ()) if images else (),
     )
 
 

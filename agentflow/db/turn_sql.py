@@ -16,7 +16,8 @@ from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
-from agentflow.db import turn_rows
+from agentflow.db import turn_images, turn_rows
+from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import NewTurn, TurnRecord
@@ -53,11 +54,13 @@ async def insert_turns(
     session: AsyncSession | AsyncConnection,
     batch: Sequence[NewTurn],
     placed: Mapping[uuid.UUID, Placement] | None = None,
+    blob_store: BlobStore | None = None,
 ) -> dict[uuid.UUID, Placement]:
     """Insert `batch` (parents before children) with one executemany, after checking the
     tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
     holds turns already known to be stored (turns never move), which saves reading them
-    back; returns the placement of every turn written."""
+    back; returns the placement of every turn written. Turns' images go to `blob_store`
+    (default: the database) and are linked; a batch with images needs a transaction."""
     positions: dict[uuid.UUID, int] = {}
     for index, turn in enumerate(batch):
         if not isinstance(turn.record, TurnRecord):
@@ -116,7 +119,11 @@ async def insert_turns(
         # Distinct timestamps keep siblings written in one batch in their written order.
         rows_out.append(turn_rows.turn_row(turn, depth, now + timedelta(microseconds=index)))
 
+    links = []
+    if turn_images.has_images(batch):
+        links = await turn_images.store_blobs(session, blob_store or DatabaseBlobStore(), batch)
     await session.execute(sql_insert(turns), rows_out)
+    await turn_images.link(session, links)
 
     # That the episode is still open is checked by the database as each row goes in
     # (trigger `turns_need_open_episode`, migration 0002), atomically with the insert.
@@ -126,12 +133,17 @@ async def insert_turns(
 async def explain_insert_failure(
     sessions: async_sessionmaker[AsyncSession], batch: Sequence[NewTurn], exc: IntegrityError
 ) -> Exception:
-    """Name what made an insert fail: a finished or missing episode, or a turn id used."""
+    """Name what made an insert fail: a finished or missing episode, a turn id used, or
+    an image named by a blob id that is not stored."""
     if FINISHED_EPISODE_MESSAGE in str(exc.orig):
         return Conflict(f"{FINISHED_EPISODE_MESSAGE} (one of {len(batch)} turns written)")
     episode_ids = turn_rows.ids_in_order([t.episode_id for t in batch])
     turn_ids = [t.id for t in batch]
+    refs = list(dict.fromkeys(i for t in batch for i in t.record.images if isinstance(i, str)))
     async with sessions() as session:
+        missing_blobs = set(refs) - await stored_ids(session, refs)
+        if missing_blobs:
+            return NotFound(f"blob {sorted(missing_blobs)[0]} not found")
         for chunk in chunks(episode_ids):
             found = set(
                 await session.scalars(select(episodes.c.id).where(episodes.c.id.in_(chunk)))

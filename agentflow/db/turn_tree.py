@@ -31,7 +31,8 @@ from sqlalchemy import Table, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
-from agentflow.db import turn_rows, turn_sql
+from agentflow.db import blobs, turn_images, turn_rows, turn_sql
+from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
 from agentflow.db.models import Environment, Run
 from agentflow.db.turn_batcher import TurnBatcher
 from agentflow.errors import Conflict, InvalidInput, NotFound
@@ -70,10 +71,15 @@ _PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
 
 
 class TurnTree:
-    """Episodes, turn trees and trajectories over an async session factory."""
+    """Episodes, turn trees and trajectories over an async session factory. Turns' images
+    are kept in `blob_store` (default: the database; the gateway passes the configured
+    one, `agentflow.db.blobs.blob_store_for`)."""
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], *, blob_store: BlobStore | None = None
+    ) -> None:
         self._sessions = sessions
+        self.blob_store: BlobStore = blob_store or DatabaseBlobStore()
         self.sessions = sessions  # for callers that also need plain sessions
         bind = sessions.kw.get("bind")
         # SQLite has one writer at a time: waiting writers sleep in coarse steps and give
@@ -110,11 +116,14 @@ class TurnTree:
             yield await stack.enter_async_context(self._sessions.begin())
 
     @contextlib.asynccontextmanager
-    async def _turn_writer(self) -> AsyncIterator[AsyncSession | AsyncConnection]:
+    async def _turn_writer(
+        self, *, transaction: bool = False
+    ) -> AsyncIterator[AsyncSession | AsyncConnection]:
         """Where a batch of turns is written. On PostgreSQL: an autocommit connection, as
         the batch is one INSERT (atomic by itself, the episode checked by a trigger), which
-        saves the round trips of BEGIN and COMMIT. SQLite has no round trips to save."""
-        if self._serialize_writes or self._bind is None:
+        saves the round trips of BEGIN and COMMIT; a batch with images (blobs, turns,
+        links: several statements) gets a transaction. SQLite has no round trips to save."""
+        if transaction or self._serialize_writes or self._bind is None:
             async with self._write() as session:
                 yield session
             return
@@ -212,8 +221,8 @@ class TurnTree:
         if not batch:
             return []
         try:
-            async with self._turn_writer() as writer:
-                written = await turn_sql.insert_turns(writer, batch, self._placed)
+            async with self._turn_writer(transaction=turn_images.has_images(batch)) as writer:
+                written = await turn_sql.insert_turns(writer, batch, self._placed, self.blob_store)
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, batch, exc) from exc
         self._remember(written)
@@ -246,18 +255,20 @@ class TurnTree:
         """The turns from the root down to `turn_id`, inclusive."""
         async with self._sessions() as session:
             paths = await turn_sql.paths(session, [turn_id], turn_sql.TURN_COLUMNS)
-        if turn_id not in paths:
-            raise NotFound(f"turn {turn_id} not found")
-        return [turn_rows.stored_turn(row) for row in paths[turn_id]]
+            if turn_id not in paths:
+                raise NotFound(f"turn {turn_id} not found")
+            images = await turn_images.images_of(session, [row.id for row in paths[turn_id]])
+        return [turn_rows.stored_turn(row, images) for row in paths[turn_id]]
 
     async def turn(self, turn_id: uuid.UUID) -> StoredTurn:
         async with self._sessions() as session:
             row = (
                 await session.execute(select(_turns).where(_turns.c.id == turn_id))
             ).one_or_none()
-        if row is None:
-            raise NotFound(f"turn {turn_id} not found")
-        return turn_rows.stored_turn(row)
+            if row is None:
+                raise NotFound(f"turn {turn_id} not found")
+            images = await turn_images.images_of(session, [turn_id])
+        return turn_rows.stored_turn(row, images)
 
     async def children(self, turn_id: uuid.UUID) -> list[StoredTurn]:
         """The branches under `turn_id`, oldest first."""
@@ -269,7 +280,7 @@ class TurnTree:
                 .where(_turns.c.parent_id == turn_id)
                 .order_by(_turns.c.created_at, _turns.c.id)
             )
-            return [turn_rows.stored_turn(row) for row in rows]
+            return await self._with_images(session, rows.all())
 
     async def leaves(self, episode_id: uuid.UUID) -> list[StoredTurn]:
         """The turns of an episode that have no children, shallowest and oldest first."""
@@ -282,7 +293,7 @@ class TurnTree:
                 .where(~exists().where(child.c.parent_id == _turns.c.id))
                 .order_by(_turns.c.depth, _turns.c.created_at, _turns.c.id)
             )
-            return [turn_rows.stored_turn(row) for row in rows]
+            return await self._with_images(session, rows.all())
 
     async def episode_tree(self, episode_id: uuid.UUID) -> EpisodeTree:
         """The episode with its whole turn forest and its trajectories."""
@@ -302,13 +313,14 @@ class TurnTree:
                     .order_by(_trajectories.c.created_at, _trajectories.c.id)
                 )
             ).all()
+            images = await self._episode_images(session, episode_id)
         kids: dict[uuid.UUID | None, list[uuid.UUID]] = defaultdict(list)
         for row in turn_list:
             kids[row.parent_id].append(row.id)
         # Deepest first, so every child exists before its (frozen) parent is built.
         nodes: dict[uuid.UUID, TurnNode] = {}
         for row in sorted(turn_list, key=lambda r: -r.depth):
-            flat = turn_rows.stored_turn(row)
+            flat = turn_rows.stored_turn(row, images)
             nodes[row.id] = TurnNode(
                 **{f.name: getattr(flat, f.name) for f in fields(StoredTurn)},
                 children=tuple(nodes[c] for c in kids[row.id]),
@@ -318,6 +330,41 @@ class TurnTree:
             roots=tuple(nodes[r] for r in kids[None]),
             trajectories=tuple(turn_rows.trajectory_ref(t) for t in trajectories),
         )
+
+    async def _with_images(self, session: AsyncSession, rows: Sequence[Any]) -> list[StoredTurn]:
+        images = await turn_images.images_of(session, [row.id for row in rows])
+        return [turn_rows.stored_turn(row, images) for row in rows]
+
+    async def _episode_images(
+        self, session: AsyncSession, episode_id: uuid.UUID
+    ) -> dict[uuid.UUID, tuple[str, ...]]:
+        links = turn_images.turn_blobs
+        rows = await session.execute(
+            select(links.c.turn_id, links.c.sha256)
+            .join(_turns, _turns.c.id == links.c.turn_id)
+            .where(_turns.c.episode_id == episode_id)
+            .order_by(links.c.turn_id, links.c.position)
+        )
+        found: dict[uuid.UUID, tuple[str, ...]] = {}
+        for row in rows:
+            found[row.turn_id] = (*found.get(row.turn_id, ()), row.sha256)
+        return found
+
+    # ---- blobs ----------------------------------------------------------------------
+
+    async def images_of(self, turn_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, ...]]:
+        """The blob ids of each of `turn_ids` that has images, in order."""
+        async with self._sessions() as session:
+            return await turn_images.images_of(session, turn_ids)
+
+    async def blob(self, sha256: str) -> tuple[BlobInfo, bytes]:
+        """A stored blob's media type, size and bytes; `NotFound` when unknown."""
+        async with self._sessions() as session:
+            found = await blobs.info(session, sha256)
+            data = None if found is None else await self.blob_store.get(sha256, session)
+        if found is None or data is None:
+            raise NotFound(f"blob {sha256} not found")
+        return found, data
 
     async def _require_episode(self, session: AsyncSession, episode_id: uuid.UUID) -> Any:
         row = (
@@ -367,7 +414,7 @@ class TurnTree:
         try:
             async with self._write() as session:
                 if turns:
-                    await turn_sql.insert_turns(session, turns)
+                    await turn_sql.insert_turns(session, turns, blob_store=self.blob_store)
                 now = datetime.now(UTC)
                 # The status guard makes this UPDATE the claim: a second completion matches
                 # no row (on PostgreSQL it waits for the first and then re-reads the row).

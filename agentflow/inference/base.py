@@ -49,6 +49,11 @@ class GenerateRequest(BaseModel):
     rid: str = Field(default_factory=lambda: uuid.uuid4().hex)
     session: SessionRef | None = None
     routing_key: str | None = Field(default=None, description="sticky routing behind a router")
+    image_data: tuple[str, ...] = Field(
+        default=(),
+        description="images as data URLs, one per image placeholder in the context, in "
+        "order; only for engines whose `accepts_images()` is true",
+    )
 
 
 class VersionSpan(BaseModel):
@@ -128,6 +133,7 @@ class EngineInfo(BaseModel):
     paused: bool = False
     sessions: int = 0
     kv_tokens: int = Field(default=0, description="tokens held in session KV caches")
+    accepts_images: bool = Field(default=False, description="takes `image_data` (a vision model)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -148,5 +154,10 @@ class Engine(Protocol):
     async def update_weights(self, update: WeightUpdate) -> int: ...
 
     async def info(self) -> EngineInfo: ...
+
+    async def accepts_images(self) -> bool:
+        """Whether `generate` takes `image_data`: callers ask before recording anything of
+        a request with images, rather than asking which engine class they hold."""
+        ...
 
     async def close(self) -> None: ...

@@ -163,6 +163,8 @@ class LocalEngine:
     # -- requests -----------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        if req.image_data:
+            raise EngineRequestError("this engine does not accept images (a text-only model)")
         await self.start()
         assert self._wake is not None
         r = self._admit(req)
@@ -314,6 +316,10 @@ class LocalEngine:
                 self._sched.pending_saves.clear()
                 self._runner.store.clear()
         return version
+
+    async def accepts_images(self) -> bool:
+        """Never: the local models are text-only."""
+        return False
 
     async def info(self) -> EngineInfo:
         store = self._runner.store

@@ -74,6 +74,11 @@ class SGLangSettings(BaseModel):
     resume_wait_s: float = Field(
         default=3600.0, gt=0, description="how long an aborted request waits for resume()"
     )
+    accepts_images: bool | None = Field(
+        default=None,
+        description="the served model takes images; None: ask /model_info "
+        "(`has_image_understanding`) once",
+    )
 
 
 class SGLangEngine:
@@ -95,6 +100,7 @@ class SGLangEngine:
         self._in_flight: set[str] = set()
         self._aborted_by_caller: set[str] = set()  # never resubmit these
         self._version: int | None = None
+        self._images: bool | None = settings.accepts_images
 
     # ---- generation -------------------------------------------------------------------
 
@@ -373,6 +379,14 @@ class SGLangEngine:
             return False
         return True
 
+    async def accepts_images(self) -> bool:
+        """Whether the served model understands images: the settings, else what the
+        first worker's `/model_info` says (asked once; every worker serves one model)."""
+        if self._images is None:
+            model = expect_dict(await self._get_first("/model_info"), "/model_info")
+            self._images = bool(model.get("has_image_understanding"))
+        return self._images
+
     async def info(self) -> EngineInfo:
         model = expect_dict(await self._get_first("/model_info"), "/model_info")
         server = expect_dict(await self._get_first("/server_info"), "/server_info")
@@ -381,6 +395,7 @@ class SGLangEngine:
             vocab_size=self.settings.vocab_size,
             max_context=int(server.get("context_length") or 0),
             weight_version=wire.version_from_wire(model.get("weight_version")),
+            accepts_images=await self.accepts_images(),
             extra={"workers": len(await self.worker_urls()), "server_info": server},
         )
 

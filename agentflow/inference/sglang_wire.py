@@ -104,6 +104,9 @@ class GenerateBody(_Body):
     return_logprob: bool = False
     logprob_start_len: int = -1
     session_params: SessionParamsBody | None = None
+    # One entry per image placeholder in `input_ids`, in order: a data URL, a URL or a
+    # path the server can read, or raw base64 (this client sends data URLs).
+    image_data: list[str] | None = None
 
 
 # SGLang's other top-level `/generate` keys that change the answer: their defaults.
@@ -113,7 +116,6 @@ class GenerateBody(_Body):
 GENERATE_DEFAULTS: dict[str, Any] = {
     "text": None,
     "input_embeds": None,
-    "image_data": None,
     "video_data": None,
     "audio_data": None,
     "top_logprobs_num": None,
@@ -244,7 +246,7 @@ def generate_body(req: GenerateRequest) -> dict[str, Any]:
         return_logprob=True,
         logprob_start_len=-1,
         rid=req.rid,
-        **_given(session_params=session),
+        **_given(session_params=session, image_data=list(req.image_data) or None),
     )
     return _dump(body)
 

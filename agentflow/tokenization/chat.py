@@ -13,6 +13,8 @@ re-tokenized, so what the trainer sees is exactly what the engine saw. Two templ
   token (e.g. ChatML's newline). Tool calls use the Hermes/Qwen format.
 
 Messages are OpenAI-shaped mappings: `role`, `content`, optional `tool_calls`, `name`.
+An image in a message is the template's `image_placeholder` text where it stood; its
+bytes travel beside the tokens (a vision engine expands each placeholder itself).
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ from agentflow.tokenization.tool_calls import (
 
 Message = Mapping[str, Any]
 ROLES = ("system", "user", "assistant", "tool")
+# Placeholder text by the special token that gives a vocabulary away, first match wins:
+# Qwen2-VL / 2.5-VL / 3-VL, Llama 3.2 Vision, Gemma 3, LLaVA and most others.
+IMAGE_PLACEHOLDERS = (
+    ("<|image_pad|>", "<|vision_start|><|image_pad|><|vision_end|>"),
+    ("<|image|>", "<|image|>"),
+    ("<start_of_image>", "<start_of_image>"),
+    ("<image>", "<image>"),
+)
+DEFAULT_IMAGE_PLACEHOLDER = "<image>"
 
 
 class MessageSpan(BaseModel):
@@ -61,6 +72,11 @@ class ChatTemplate(Protocol):
     @property
     def stop_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn (pass them as `stop_token_ids`)."""
+        ...
+
+    @property
+    def image_placeholder(self) -> str:
+        """The text that stands for one image in a message's content."""
         ...
 
     def render(
@@ -110,6 +126,12 @@ class ByteChatTemplate:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.end_id, self.tokenizer.eos_id)
+
+    @property
+    def image_placeholder(self) -> str:
+        """Plain text: the byte models see no images (no special token, so the byte
+        vocabulary, and saved models, stay as they are)."""
+        return "<|image|>"
 
     def _message_ids(
         self, m: Message, tools: Sequence[Mapping[str, Any]] | None = None
@@ -189,6 +211,15 @@ class HFChatTemplate:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self._stop
+
+    @property
+    def image_placeholder(self) -> str:
+        """The vision placeholder of this vocabulary (`IMAGE_PLACEHOLDERS`), rendered as
+        its special tokens since message content is encoded with them allowed."""
+        for token, text in IMAGE_PLACEHOLDERS:
+            if self.tokenizer.token_id(token) is not None:
+                return text
+        return DEFAULT_IMAGE_PLACEHOLDER
 
     def _text(self, messages: Sequence[Message], tools: Any = None, gen: bool = False) -> str:
         return str(

@@ -62,3 +62,16 @@ def test_upgrade_downgrade_and_models_agree(empty_url: str) -> None:
     tables, _ = asyncio.run(_tables_and_diff(empty_url))
     assert tables <= {"alembic_version"}
     migrate.upgrade(empty_url)  # and back up again from base
+
+
+def test_0004_blobs_go_down_and_up_alone(empty_url: str) -> None:
+    migrate.upgrade(empty_url)
+    tables, _ = asyncio.run(_tables_and_diff(empty_url))
+    assert {"blobs", "blob_data", "turn_blobs"} <= tables
+    migrate.downgrade(empty_url, "0003")
+    tables, _ = asyncio.run(_tables_and_diff(empty_url))
+    assert not {"blobs", "blob_data", "turn_blobs"} & tables
+    assert {"turns", "trajectories"} <= tables
+    migrate.upgrade(empty_url)
+    tables, diff = asyncio.run(_tables_and_diff(empty_url))
+    assert {"blobs", "blob_data", "turn_blobs"} <= tables and diff == []

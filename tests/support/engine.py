@@ -226,6 +226,9 @@ class MockEngine(_Record):
         self.updates.append(update)
         return self.weight_version
 
+    async def accepts_images(self) -> bool:
+        return False  # the mock makes up tokens; it sees no images
+
     async def info(self) -> EngineInfo:
         return EngineInfo(
             model=self.model,
@@ -278,6 +281,9 @@ class RecordingEngine(_Record):
 
     async def info(self) -> EngineInfo:
         return await self.inner.info()
+
+    async def accepts_images(self) -> bool:
+        return await self.inner.accepts_images()
 
     async def close(self) -> None:
         await self.inner.close()

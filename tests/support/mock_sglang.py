@@ -15,6 +15,10 @@ as they do in SGLang's scheduler.
 Routes under `/mock/` are this worker's own: the request log tests use to see where the
 router sent what.
 
+With `image_understanding`, the worker says so in `/model_info` and takes `image_data`
+(one data URL per image placeholder, checked and logged); the text-only model behind it
+then answers from the ids alone. Without it, `image_data` is a 400, as from a text model.
+
 SGLang's schema itself (field names, defaults, the keys it knows) comes from the client's
 `agentflow.inference.sglang_wire`, so the worker and the client cannot disagree on it;
 this module holds only what the worker enforces on top and how it behaves.
@@ -209,6 +213,7 @@ def create_mock_worker(
     model_path: str | None = None,
     context_length: int | None = None,
     close_engine: bool = False,
+    image_understanding: bool = False,
 ) -> FastAPI:
     """The app; `model_path` is what `/model_info` reports (the router keys models by it).
 
@@ -253,9 +258,15 @@ def create_mock_worker(
     @app.post("/generate")
     async def generate(request: Request) -> dict[str, Any]:
         body = parse_generate(await json_body(request))
+        if body.image_data and not image_understanding:
+            raise Refusal("image_data: this model has no image understanding")
+        for item in body.image_data or ():
+            if not item.startswith("data:image/"):
+                raise Refusal("image_data: this worker reads data URLs only")
         req = _to_request(body, request.headers.get(wire.ROUTING_KEY_HEADER))
         state.log.append(
             {
+                "image_data": list(body.image_data or ()),
                 "rid": req.rid,
                 "routing_key": req.routing_key,
                 "input_ids": list(req.input_ids),
@@ -379,7 +390,7 @@ def create_mock_worker(
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": wire.version_to_wire(info.weight_version),
-            "has_image_understanding": False,
+            "has_image_understanding": image_understanding,
             "has_audio_understanding": False,
         }
 

@@ -1,8 +1,11 @@
 """OpenAI chat-completion requests, validated, and the answers built from engine output.
 
 Only what the gateway can honour exactly is accepted: text content (strings or `text`
-parts), function tools, `n = 1`, no stop strings (stopping is on the chat template's
-end-of-turn tokens). Unknown top-level fields that do not change the sampled tokens
+parts), images in user messages as `image_url` parts holding base64 data URLs (PNG or
+JPEG; the gateway never fetches a network URL), function tools, `n = 1`, no stop strings
+(stopping is on the chat template's end-of-turn tokens). An image is rendered as the
+template's image placeholder where it stood, and its bytes travel beside the tokens.
+Unknown top-level fields that do not change the sampled tokens
 (`user`, `metadata`, `parallel_tool_calls`, ...) are ignored, so unchanged agents work.
 
 `temperature` and `top_p` are accepted but the run's sampling policy wins: the stored
@@ -13,11 +16,12 @@ log-probs must all come from one behaviour distribution for training to be corre
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from agentflow.errors import InvalidInput
+from agentflow.images import parse_data_url
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -48,11 +52,35 @@ class ToolCallIn(BaseModel):
     function: FunctionCall
 
 
-class ContentPart(BaseModel):
+class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
     text: str
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """An image; `data` is set from the data URL by `parse_request`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+    _data: bytes = PrivateAttr(default=b"")
+
+    @property
+    def data(self) -> bytes:
+        return self._data
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
@@ -64,16 +92,25 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as text, each image as `image_placeholder` where it stood."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(
+                part.text if isinstance(part, TextPart) else image_placeholder
+                for part in self.content
+            )
         return self.content or ""
 
-    def for_template(self) -> dict[str, Any]:
+    def images(self) -> list[bytes]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.data for part in self.content if isinstance(part, ImagePart)]
+
+    def for_template(self, image_placeholder: str = "") -> dict[str, Any]:
         """The plain mapping the chat template renders (`developer` is a system message)."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.text(),
+            "content": self.text(image_placeholder),
         }
         if self.tool_calls:
             out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
@@ -139,8 +176,12 @@ class ChatCompletionRequest(BaseModel):
             )
         return value
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+    def template_messages(self, image_placeholder: str = "") -> list[dict[str, Any]]:
+        return [m.for_template(image_placeholder) for m in self.messages]
+
+    def images(self) -> list[bytes]:
+        """Every image of the conversation, in order (PNG or JPEG bytes)."""
+        return [image for m in self.messages for image in m.images()]
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -154,8 +195,12 @@ class ChatCompletionRequest(BaseModel):
         return self.tool_choice != "none"
 
 
-def parse_request(body: Any) -> ChatCompletionRequest:
-    """Validate a decoded JSON body; `InvalidInput` naming the first bad field."""
+MAX_IMAGE_BYTES = 8 << 20
+
+
+def parse_request(body: Any, *, max_image_bytes: int = MAX_IMAGE_BYTES) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; `InvalidInput` naming the first bad field. Image
+    parts are decoded here (data URLs only, PNG or JPEG, `max_image_bytes` each)."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object", field="body")
     try:
@@ -170,7 +215,22 @@ def parse_request(body: Any) -> ChatCompletionRequest:
             "turn is not supported",
             field="messages",
         )
+    _decode_images(request, max_image_bytes)
     return request
+
+
+def _decode_images(request: ChatCompletionRequest, max_bytes: int) -> None:
+    for i, message in enumerate(request.messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if not isinstance(part, ImagePart):
+                continue
+            where = f"messages.{i}.content.{j}"
+            if message.role != "user":
+                raise InvalidInput(f"{where}: only user messages may carry images", field=where)
+            url = part.image_url.url
+            part._data = parse_data_url(url, max_bytes=max_bytes, field=f"{where}.image_url.url")
 
 
 def error_body(

@@ -10,6 +10,13 @@ The engine session of an episode is named after it; a request continues the sess
 the nearest policy turn on its path that the session holds (SGLang semantics: the
 parent rid's prompt + output, then only the new tokens), and otherwise sends the whole
 context from the turn tree, as after a gateway restart.
+
+Images (`image_url` parts): an engine that does not take them refuses the request before
+anything is recorded. Otherwise each image is the template's placeholder in the tokens,
+its bytes are stored as a blob linked from the turn the request writes (images already
+linked on the matched path are not linked again), and the engine gets every image of the
+conversation as `image_data`, with the whole context: a session continuation would send
+only the new tokens, and the engine needs each image beside its placeholder.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from agentflow.agents.blackbox.openai_schema import ChatCompletionRequest
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict, EngineRequestError, EngineUnavailable, InvalidInput
+from agentflow.images import blob_id, data_url
 from agentflow.inference.base import GenerateRequest, GenerateResult, SamplingParams, SessionRef
 from agentflow.tokenization.chat import ChatTemplate
 from agentflow.types import OPEN_EPISODE_STATUSES, TurnKind, TurnNode, TurnRecord
@@ -60,7 +68,14 @@ class ChatProxy:
                 await self.live.release_chat(episode_id)
                 raise Conflict(f"episode {episode_id} is {episode.status}; it takes no requests")
             runtime = self.runtimes.get(episode.run_id)
-            messages, tools = request.template_messages(), request.template_tools()
+            images = request.images()
+            if images and not await runtime.engine.accepts_images():
+                raise InvalidInput(
+                    "this engine does not accept images: the run's model is text-only",
+                    field="messages",
+                )
+            messages = request.template_messages(runtime.template.image_placeholder)
+            tools = request.template_tools()
             # Matching and writing the new segment are one step per episode, so two
             # identical concurrent requests share one segment instead of racing.
             async with state.lock:
@@ -77,13 +92,19 @@ class ChatProxy:
                 path: list[TurnNode | _Written] = list(found.path)
                 if found.new_tokens:
                     kind: TurnKind = "prompt" if found.parent is None else "env"
-                    record = TurnRecord(kind=kind, token_ids=tuple(found.new_tokens))
+                    record = TurnRecord(
+                        kind=kind,
+                        token_ids=tuple(found.new_tokens),
+                        images=_unlinked(images, found.path),
+                    )
                     parent_id = found.parent.id if found.parent else None
                     new_id = await self.turns.add_turn(episode_id, parent_id, record)
                     path.append(_Written(new_id, tuple(found.new_tokens), kind))
             if not path or path[-1].kind == "policy":
                 raise InvalidInput("the request adds no message after the last answer")
-            return await self._generate(episode_id, state, runtime, path, request, budget_room)
+            return await self._generate(
+                episode_id, state, runtime, path, request, budget_room, images
+            )
 
     async def _generate(
         self,
@@ -93,6 +114,7 @@ class ChatProxy:
         path: list[TurnNode | _Written],
         request: ChatCompletionRequest,
         budget_room: int | None,
+        images: list[bytes],
     ) -> ChatAnswer:
         context = [t for node in path for t in node.token_ids]
         room = _room(runtime, len(context))
@@ -107,9 +129,13 @@ class ChatProxy:
             }
         )
         turn_id = uuid.uuid4()
-        session = await self._session(episode_id, state, runtime)
+        # With images the whole context goes out with every image (module docstring).
+        session = None if images else await self._session(episode_id, state, runtime)
         start = time.perf_counter()
-        result = await self._run(runtime, state, session, turn_id, path, context, sampling)
+        image_data = tuple(data_url(image) for image in images)
+        result = await self._run(
+            runtime, state, session, turn_id, path, context, sampling, image_data
+        )
         generate_s = time.perf_counter() - start
         if result.finish_reason == "abort":
             raise EngineUnavailable("the engine aborted the generation (paused?); retry")
@@ -165,9 +191,12 @@ class ChatProxy:
         path: list[TurnNode | _Written],
         context: list[int],
         sampling: SamplingParams,
+        image_data: tuple[str, ...] = (),
     ) -> GenerateResult:
         rid = turn_id.hex
-        base = GenerateRequest(input_ids=tuple(context), sampling=sampling, rid=rid)
+        base = GenerateRequest(
+            input_ids=tuple(context), sampling=sampling, rid=rid, image_data=image_data
+        )
         if session is None:
             return await runtime.generate(base)
         offset = held = 0
@@ -198,6 +227,23 @@ class _Written:
     id: uuid.UUID
     token_ids: tuple[int, ...]
     kind: str
+
+
+def _unlinked(images: list[bytes], path: list[TurnNode]) -> tuple[bytes, ...]:
+    """The request's images not yet linked from a turn of its matched path, in order:
+    an image the agent sends again with its history is stored and linked once."""
+    linked: dict[str, int] = {}
+    for node in path:
+        for sha256 in node.images:
+            linked[sha256] = linked.get(sha256, 0) + 1
+    new: list[bytes] = []
+    for image in images:
+        sha256 = blob_id(image)
+        if linked.get(sha256, 0) > 0:
+            linked[sha256] -= 1
+        else:
+            new.append(image)
+    return tuple(new)
 
 
 def _room(runtime: PolicyRuntime, context_tokens: int) -> int:

@@ -8,7 +8,9 @@ Agents authenticate with their per-episode key as `Authorization: Bearer <key>`,
 gateway's API key, so these routes are mounted without it. Errors use OpenAI's body
 shape (`{"error": {"message", "type", "param", "code"}}`) so OpenAI clients raise their
 typed exceptions: 400 malformed request, 401 wrong key, 404 unknown episode or no live
-run, 409 finished episode, 429 too many requests in flight for one episode.
+run, 409 finished episode, 429 too many requests in flight for one episode. Images come
+as `image_url` parts with base64 data URLs (a network URL is a 400: the gateway fetches
+nothing); an engine that takes no images answers 400 before anything is recorded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.api.deps import SettingsDep, authorize_episode, bearer_token, is_api_key
 from agentflow.api.errors import json_safe
 from agentflow.api.strict_json import parse_json
+from agentflow.config import Settings
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import AgentFlowError, InvalidInput
 
@@ -74,7 +77,10 @@ async def _complete(request: Request, raw_id: str | None) -> Response:
         episode_id = authorize_episode(request, raw_id)
         # The agent's messages and tool results are stored as its turns: the same text
         # rule as every other body, with OpenAI's `param` naming the field.
-        chat_request = parse_request(parse_json(await request.body(), loc=()))
+        settings: Settings = request.app.state.settings
+        chat_request = parse_request(
+            parse_json(await request.body(), loc=()), max_image_bytes=settings.max_image_bytes
+        )
         runtimes: RuntimeRegistry = request.app.state.runtimes
         proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
         answer = await proxy.complete(episode_id, chat_request)

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from agentflow.api.deps import API_KEY, TurnTreeDep
+from agentflow.api.routes.blobs import blob_url
 from agentflow.api.routing import GatewayRoute
 
 router = APIRouter(
@@ -18,4 +19,13 @@ router = APIRouter(
 
 @router.get("/{trajectory_id}")
 async def get_trajectory(trajectory_id: uuid.UUID, turns: TurnTreeDep) -> dict[str, Any]:
-    return asdict(await turns.trajectory(trajectory_id))
+    """The trajectory, and `turn_images`: per turn of `turn_ids`, its images' blob ids and
+    URLs (an empty list for a turn without images)."""
+    trajectory = await turns.trajectory(trajectory_id)
+    images = await turns.images_of(trajectory.turn_ids)
+    body = asdict(trajectory)
+    body["turn_images"] = [
+        [{"sha256": sha256, "url": blob_url(sha256)} for sha256 in images.get(turn_id, ())]
+        for turn_id in trajectory.turn_ids
+    ]
+    return body

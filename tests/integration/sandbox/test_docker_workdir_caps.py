@@ -1,24 +1,24 @@
 """The Docker backend's capped work dir against a real engine: ENOSPC past the byte and
 file caps from inside, clean file errors outside, and the sandbox keeps working.
 
-Skipped unless a Docker engine answers and the image (``AGENTFLOW_SANDBOX_TEST_IMAGE``,
-default the backend's own) is already present: nothing is pulled. The image needs only
-``sh``, coreutils and ``kill``.
+Runs in the sandbox runtime image (``docker/sandbox-runtime.Dockerfile``), built or found
+in the engine's cache by the ``sandbox_runtime_image`` session fixture; nothing is pulled.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from sandbox import ExecStatus, SandboxFileError, SandboxLimits
-from sandbox.docker_backend import DEFAULT_IMAGE, LABEL, DockerSandbox
+from sandbox.docker_backend import DockerSandbox
+
+from .leftovers import assert_docker_sandbox_gone
 
 pytestmark = pytest.mark.integration
 
-IMAGE = os.environ.get("AGENTFLOW_SANDBOX_TEST_IMAGE", DEFAULT_IMAGE)
 MIB = 1024 * 1024
 CAP_BYTES = 4 * MIB
 CAP_FILES = 200
@@ -28,31 +28,13 @@ CAPPED = SandboxLimits(
 
 
 @pytest.fixture
-async def sandbox() -> AsyncIterator[DockerSandbox]:
-    docker = pytest.importorskip("docker")
-    if not os.environ.get("DOCKER_HOST") and not os.path.exists("/var/run/docker.sock"):
-        # Checked first: the client's failed version probe would leak its socket.
-        pytest.skip("no Docker engine socket")
+async def sandbox(docker_client: Any, sandbox_runtime_image: str) -> AsyncIterator[DockerSandbox]:
+    sb = DockerSandbox(limits=CAPPED, image=sandbox_runtime_image, client=docker_client)
     try:
-        client = docker.from_env()
-    except docker.errors.DockerException as exc:
-        pytest.skip(f"no Docker engine reachable: {exc}")
-    try:
-        try:
-            client.ping()
-        except Exception as exc:
-            pytest.skip(f"no Docker engine reachable: {exc}")
-        try:
-            client.images.get(IMAGE)
-        except docker.errors.ImageNotFound:
-            pytest.skip(f"image {IMAGE} is not present (set AGENTFLOW_SANDBOX_TEST_IMAGE)")
-        sb = DockerSandbox(limits=CAPPED, image=IMAGE, client=client)
         yield sb
-        await sb.close()
-        assert client.containers.list(all=True, filters={"label": f"{LABEL}={sb.id}"}) == []
-        assert client.volumes.list(filters={"label": f"{LABEL}={sb.id}"}) == []
     finally:
-        client.close()  # its pooled engine connections would otherwise leak (ResourceWarning)
+        await sb.close()
+    assert_docker_sandbox_gone(docker_client, sb)
 
 
 async def test_work_dir_caps_hold_inside_and_out(sandbox):

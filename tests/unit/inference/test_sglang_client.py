@@ -130,7 +130,27 @@ async def test_no_seed_no_session_no_header() -> None:
     (body,) = rec.bodies("/generate")
     assert "sampling_seed" not in body["sampling_params"]
     assert "session_params" not in body
+    assert "image_data" not in body
     assert "x-smg-routing-key" not in rec.calls("/generate")[0].headers
+
+
+async def test_images_go_as_image_data_and_support_is_asked_once() -> None:
+    def handler(request: httpx.Request) -> Any:
+        if request.url.path == "/model_info":
+            return {"model_path": "m", "weight_version": "0", "has_image_understanding": True}
+        return answer([1], {"type": "length", "length": 1})
+
+    eng, rec = engine_with(handler)
+    urls = ("data:image/png;base64,iVBORw0KGgo=", "data:image/jpeg;base64,/9j/4A==")
+    await eng.generate(GenerateRequest(input_ids=(5, 6), rid="x", image_data=urls))
+    (body,) = rec.bodies("/generate")
+    assert body["image_data"] == list(urls)
+    assert await eng.accepts_images() and await eng.accepts_images()
+    assert len(rec.calls("/model_info")) == 1
+    text_only, rec = engine_with(lambda r: {"model_path": "m", "has_image_understanding": False})
+    assert not await text_only.accepts_images()
+    told, rec = engine_with(lambda r: {}, accepts_images=True)
+    assert await told.accepts_images() and rec.requests == []
 
 
 async def test_retries_5xx_then_succeeds() -> None:

@@ -117,6 +117,7 @@ async def test_router_shaped_body_gets_sglang_shaped_answer(http: httpx.AsyncCli
         ({"logprob_start_len": 0}, "logprob_start_len"),
         ({"input_ids": [1, 999]}, "vocabulary"),
         ({"session_params": {"id": "nope"}}, "unknown session"),
+        ({"image_data": ["data:image/png;base64,AAAA"]}, "no image understanding"),
     ],
 )
 async def test_bad_requests_get_400(

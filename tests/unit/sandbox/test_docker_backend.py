@@ -64,7 +64,7 @@ def test_container_is_started_with_the_documented_limits():
         "nano_cpus": 500_000_000,
         "pids_limit": 32,
         "ulimits": [
-            Ulimit(name="cpu", soft=4, hard=5),
+            Ulimit(name="cpu", soft=3, hard=4),
             Ulimit(name="fsize", soft=1 << 20, hard=1 << 20),
             Ulimit(name="core", soft=0, hard=0),
         ],

@@ -11,7 +11,7 @@ import pytest
 
 from sandbox import ExecStatus, SandboxError, SandboxFileError, SandboxLimits
 from sandbox.client import HttpSandbox
-from sandbox.service import create_app
+from sandbox.service import RequireApiKey, create_app
 
 from .memory_sandbox import MemorySandbox
 
@@ -147,3 +147,102 @@ async def test_client_retries_transient_errors_then_gives_up():
         await sb.exec("x")
     assert len(calls) == 3  # a 500 is not retried
     await sb.close()
+
+
+KEY = "k3y-ünïcode"  # non-ASCII: the check compares the header's raw bytes with the UTF-8 key
+
+
+@pytest.fixture
+async def keyed_service() -> AsyncIterator[tuple[httpx.ASGITransport, list[MemorySandbox]]]:
+    made: list[MemorySandbox] = []
+
+    def factory(limits: SandboxLimits) -> MemorySandbox:
+        made.append(MemorySandbox(limits))
+        return made[-1]
+
+    app = create_app(factory, pool_size=1, max_active=4, api_key=KEY)
+    async with app.router.lifespan_context(app):
+        yield httpx.ASGITransport(app=app), made
+
+
+@pytest.mark.parametrize(
+    ("authorization", "said"),
+    [
+        (None, "missing API key"),
+        (b"Bearer", "missing API key"),
+        (b"Bearer   ", "missing API key"),
+        (b"Token " + KEY.encode(), "missing API key"),
+        (b"Bearer " + KEY.encode()[:-1], "wrong API key"),
+        (b"Bearer " + KEY.encode("latin-1", "replace"), "wrong API key"),
+    ],
+)
+async def test_a_keyed_service_refuses_requests_without_its_key(keyed_service, authorization, said):
+    transport, made = keyed_service
+    headers = [(b"authorization", authorization)] if authorization is not None else []
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        for method, path, body in [
+            ("POST", "/v1/exec", {"cmd": "echo hi"}),
+            ("POST", "/v1/exec", {"cmd": [], "surprise": 1}),  # a 422 with the key
+            ("POST", "/v1/exec", None),  # no body at all
+            ("GET", "/openapi.json", None),  # the schema is not given away either
+            ("GET", "/no/such/route", None),  # nor which routes exist
+            ("POST", "/health", None),  # only GET /health is open
+        ]:
+            resp = await http.request(method, path, json=body, headers=headers)
+            assert resp.status_code == 401, (method, path, resp.text)
+            assert resp.json() == {"detail": resp.json()["detail"]}
+            assert resp.json()["detail"].startswith(said)
+            assert resp.headers["www-authenticate"] == "Bearer"
+    assert not any(sb.execs for sb in made)  # nothing ran
+
+
+async def test_a_keyed_service_serves_its_key_and_keeps_health_open(keyed_service):
+    transport, _ = keyed_service
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        keyed = [(b"authorization", b"bearer  " + KEY.encode() + b" ")]  # scheme in any case
+        bad = await http.post("/v1/exec", json={"cmd": []}, headers=keyed)
+        assert bad.status_code == 422  # with the key, the body is checked as before
+        ok = await http.post("/v1/exec", json={"cmd": "echo hi"}, headers=keyed)
+        assert ok.status_code == 200 and ok.json()["stdout"] == "echo hi"
+    sb = HttpSandbox("http://svc", transport=transport, api_key="right-key")
+    with pytest.raises(SandboxError, match="401"):
+        await sb.exec("echo hi")  # the client's key is sent, and this one is wrong
+    await sb.close()
+
+
+async def test_the_client_sends_its_key():
+    app = create_app(lambda limits: MemorySandbox(limits), pool_size=1, api_key="abc123")
+    async with app.router.lifespan_context(app):
+        sb = HttpSandbox("http://svc", transport=httpx.ASGITransport(app=app), api_key="abc123")
+        await sb.write_file("a.txt", "x")
+        assert (await sb.exec(["cat", "a.txt"])).stdout == "x"
+        await sb.close()
+
+
+@pytest.mark.parametrize("key", ["", " padded", "padded\n"])
+def test_an_api_key_that_could_never_match_is_refused(key):
+    with pytest.raises(ValueError, match="API key"):
+        RequireApiKey(create_app(lambda limits: MemorySandbox(limits)), key)
+
+
+async def test_no_key_leaves_the_service_open():
+    # An empty key is no key (the CLI maps an empty AGENTFLOW_SANDBOX_API_KEY to None).
+    for key in (None, ""):
+        app = create_app(lambda limits: MemorySandbox(limits), pool_size=1, api_key=key)
+        async with app.router.lifespan_context(app):
+            resp = await _post(httpx.ASGITransport(app=app), {"cmd": "echo open"})
+        assert resp.status_code == 200 and resp.json()["stdout"] == "echo open"
+
+
+def test_an_image_is_for_the_docker_backend_only(monkeypatch, capsys):
+    from sandbox.service import main
+
+    with pytest.raises(ValueError, match="docker backend"):
+        create_app(backend="bwrap", image="agentflow-sandbox-runtime:local")
+    monkeypatch.setenv("AGENTFLOW_SANDBOX_IMAGE", "agentflow-sandbox-runtime:local")
+    with pytest.raises(SystemExit) as exited:
+        main(["--backend", "bwrap"])
+    assert exited.value.code == 2
+    assert "AGENTFLOW_SANDBOX_IMAGE" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from agentflow.tokenization import (
     chat_template_for,
     load_tokenizer,
 )
+from tests.support.tokenizers import save_bpe_tokenizer
 
 # A ChatML template with Hermes tool calls, as Qwen2.5 writes it (abridged).
 CHATML = (
@@ -35,29 +36,9 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["hello user assistant tool_response guess higher lower"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=specials,
-    )
-    fast.chat_template = CHATML
     path = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(path)
+    corpus = "hello user assistant tool_response guess higher lower"
+    save_bpe_tokenizer(path, corpus, CHATML, vocab_size=400, repeat=20)
     return path
 
 

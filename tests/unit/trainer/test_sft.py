@@ -3,6 +3,7 @@ SFT trains only on reply tokens, evaluation and `run_sft` work end to end (tiny 
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import uuid
@@ -227,6 +228,24 @@ def test_run_sft_saves_a_loadable_checkpoint(tmp_path: object) -> None:
     assert metrics["eval"]["episodes"] == 4
     assert json.loads((out / SFT_METRICS_FILE).read_text()) == json.loads(json.dumps(metrics))
     assert load_model(out).config.agentflow_init["layers"] == TINY.layers
+
+
+def test_min_reward_trains_only_on_the_wins(tmp_path: object) -> None:
+    config = SftConfig(
+        n_episodes=32, p_oracle=0.3, min_reward=0.5, epochs=1, batch_size=4, eval_episodes=0
+    )
+    lines: list[str] = []
+    metrics = run_sft(config, TINY, tmp_path / "sft", progress=lines.append)  # type: ignore[operator]
+    data = asyncio.run(oracle_episodes(GUESS, 32, ByteChatTemplate(), p_oracle=0.3, seed=0))
+    wins = sum(1 for s in data if s.reward >= 0.5)
+    assert 0 < wins < 32  # the noisy player wins some and loses some
+    assert metrics["data"]["trained_on"] == wins
+    assert metrics["train"]["steps"] == -(-wins // 4)
+    assert lines[0].startswith("warm start data: 32 episodes")
+    assert lines[-1].startswith("warm start training:")
+    never = SftConfig(n_episodes=4, p_oracle=0.0, min_reward=2.0, eval_episodes=0)
+    with pytest.raises(InvalidInput, match="min_reward"):
+        run_sft(never, TINY, tmp_path / "never")  # type: ignore[operator]
 
 
 def test_config_bounds() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from agentflow.agents.blackbox.matching import assistant_view, match_request
 from agentflow.tokenization import HFChatTemplate, chat_template_for, load_tokenizer
+from tests.support.tokenizers import save_bpe_tokenizer
 from tests.unit.agents.blackbox.test_matching import node
 
 CHATML = (
@@ -20,29 +21,8 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> HFChatTemplate:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["user assistant tool_call lookup arguments name"] * 10, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=specials,
-    )
-    fast.chat_template = CHATML
     path: Path = tmp_path_factory.mktemp("tok")
-    fast.save_pretrained(path)
+    save_bpe_tokenizer(path, "user assistant tool_call lookup arguments name", CHATML)
     tpl = chat_template_for(load_tokenizer(path))
     assert isinstance(tpl, HFChatTemplate)
     return tpl

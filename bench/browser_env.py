@@ -1,0 +1,151 @@
+"""Browser env latency: the warm pool against a cold launch per episode, in one run.
+
+Both paths play the same MiniWoB++ episodes (the scripted oracle, the same seeds) with
+the same env code; they differ only in where the browser comes from:
+
+- warm: one `BrowserPool` for the whole run (warm browsers, a fresh context per
+  episode, contexts prepared ahead): AgentFlow's way;
+- cold: a new browser per episode, launched by one Playwright driver kept for the
+  whole run, as BrowserGym does (its reset closes the browser and launches another from
+  a global driver).
+
+Both launch the same executable (envs/browser/chromium.py: the headless shell where it
+is installed).
+
+No artificial delay is added anywhere (BrowserGym adds a 0.5 s pre-observation delay
+and 100 ms slow-mo per action). Prints reset and step latency (p50/p90) and episodes/s
+for each path, and the ratios. Targets: warm reset p50 <= 0.3 s, step p50 <= 0.15 s,
+warm episodes/s >= 5x cold.
+
+    python bench/browser_env.py --episodes 40 --concurrency 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from envs import registry  # noqa: E402
+from envs.browser.miniwob import make_env  # noqa: E402
+from envs.browser.pool import BrowserPool  # noqa: E402
+
+TASKS = ("click-button", "click-link", "click-option", "enter-text", "click-checkboxes")
+
+
+@dataclass
+class Timings:
+    resets: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+async def episode(task: str, seed: int, pool: BrowserPool, timings: Timings) -> None:
+    env = make_env(task, pool=pool, screenshots=True)
+    oracle = registry.oracle(f"miniwob/{task}-v0")
+    try:
+        started = time.perf_counter()
+        result = await env.reset(seed=seed)
+        timings.resets.append(time.perf_counter() - started)
+        observations = [result.observation]
+        for _ in range(10):
+            if result.done:
+                break
+            started = time.perf_counter()
+            result = await env.step(oracle(observations))
+            timings.steps.append(time.perf_counter() - started)
+            observations.append(result.observation)
+        timings.rewards.append(result.reward)
+    finally:
+        await env.close()
+
+
+async def warm(episodes: int, concurrency: int) -> Timings:
+    timings = Timings()
+    pool = BrowserPool(size=1 if concurrency == 1 else 2)
+    gate = asyncio.Semaphore(concurrency)
+    # The pool's browser and each task's first spare are made before the clock starts:
+    # a gateway keeps them warm between episodes.
+    for task in TASKS:
+        await episode(task, 10_000, pool, Timings())
+    await asyncio.sleep(1.0)
+
+    async def one(i: int) -> None:
+        async with gate:
+            await episode(TASKS[i % len(TASKS)], i, pool, timings)
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(i) for i in range(episodes)))
+    finally:
+        timings.seconds = time.perf_counter() - started
+        await pool.aclose()
+    return timings
+
+
+async def cold(episodes: int, concurrency: int) -> Timings:
+    from playwright.async_api import async_playwright
+
+    timings = Timings()
+    gate = asyncio.Semaphore(concurrency)
+    driver = await async_playwright().start()
+
+    async def one(i: int) -> None:
+        async with gate:
+            pool = BrowserPool(size=1, spares=0, idle_close_s=None, playwright=driver)
+            try:
+                await episode(TASKS[i % len(TASKS)], i, pool, timings)
+            finally:
+                await pool.aclose()
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(i) for i in range(episodes)))
+    finally:
+        timings.seconds = time.perf_counter() - started
+        await driver.stop()
+    return timings
+
+
+def _q(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def report(name: str, t: Timings, episodes: int) -> float:
+    rate = episodes / t.seconds
+    print(
+        f"{name:5s} reset p50 {statistics.median(t.resets):.3f} s p90 {_q(t.resets, 0.9):.3f} s"
+        f" | step p50 {statistics.median(t.steps):.3f} s p90 {_q(t.steps, 0.9):.3f} s"
+        f" | {rate:.2f} episodes/s | success {sum(t.rewards) / len(t.rewards):.2f}"
+    )
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--cold-episodes", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, default=1)
+    args = parser.parse_args()
+    warm_t = asyncio.run(warm(args.episodes, args.concurrency))
+    cold_t = asyncio.run(cold(args.cold_episodes, args.concurrency))
+    print(f"MiniWoB++ {', '.join(TASKS)}; concurrency {args.concurrency}; screenshots on")
+    warm_rate = report("warm", warm_t, args.episodes)
+    cold_rate = report("cold", cold_t, args.cold_episodes)
+    reset_ratio = statistics.median(cold_t.resets) / statistics.median(warm_t.resets)
+    print(
+        f"ratio: reset p50 cold/warm {reset_ratio:.1f}x"
+        f", episodes/s warm/cold {warm_rate / cold_rate:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

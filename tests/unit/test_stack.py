@@ -1,0 +1,50 @@
+"""agentflow.stack's parts that need no engine: the mirror debootstrap uses, the refusals
+of a bad project, and the CLI's error for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentflow.cli import app
+from agentflow.stack import Stack, StackError, debian_mirror
+
+
+def test_mirror_from_a_deb822_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTFLOW_DEBIAN_MIRROR", raising=False)
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://mirror.example/debian-security\n"
+        "Suites: bookworm-security\nComponents: main\n\n"
+        "Types: deb\n# a comment: with a colon\nURIs: http://mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main contrib\n"
+    )
+    assert debian_mirror(tmp_path) == "http://mirror.example/debian"
+
+
+def test_mirror_from_a_one_line_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTFLOW_DEBIAN_MIRROR", raising=False)
+    (tmp_path / "sources.list").write_text(
+        "# deb http://old.example/debian buster main\n"
+        "deb [arch=amd64] http://mirror.example/debian bookworm main\n"
+    )
+    assert debian_mirror(tmp_path) == "http://mirror.example/debian"
+
+
+def test_mirror_override_and_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTFLOW_DEBIAN_MIRROR", raising=False)
+    (tmp_path / "sources.list").write_text("deb http://mirror.example/debian trixie main\n")
+    with pytest.raises(StackError, match="AGENTFLOW_DEBIAN_MIRROR"):
+        debian_mirror(tmp_path)  # a trixie host has no bookworm source to reuse
+    monkeypatch.setenv("AGENTFLOW_DEBIAN_MIRROR", "http://mine.example/debian")
+    assert debian_mirror(tmp_path) == "http://mine.example/debian"
+
+
+def test_a_directory_without_a_compose_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StackError, match="no docker-compose.yml"):
+        Stack(tmp_path)
+    result = CliRunner().invoke(app, ["stack", "down", "--project-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "no docker-compose.yml" in result.output
