@@ -173,6 +173,7 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
         "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
         "staleness_max": float(max(stale, default=0)),
         "replayed": float(len(batch) - len([t for t in batch if t.times_served == 0])),
+        "trajectories": float(len(batch)),  # a group can be short: an episode failed
     }
 
 

@@ -17,7 +17,7 @@ from tests.support.engine import MockEngine
 from tests.unit.trainer.test_batching import make_trajectory
 from trainer.algorithms import AlgorithmConfig
 from trainer.backends.torch_backend import TorchPolicy, latest_checkpoint
-from trainer.loop import LoopSettings, LoopState, RunEnded, resume, train
+from trainer.loop import LoopSettings, LoopState, RunEnded, resume, summarize_batch, train
 from trainer.weights import WeightPublisher
 
 TINY = ModelInit(layers=1, hidden=32, heads=2)
@@ -147,3 +147,12 @@ async def test_the_loop_stops_when_the_rollout_side_ended(tmp_path: Path) -> Non
             on_step=nothing,
             alive=lambda: "run is failed: env crashed",
         )
+
+
+def test_a_batch_summary_counts_the_trajectories_a_short_group_included() -> None:
+    rng = random.Random(2)
+    full = _groups(1, rng)  # two trajectories, rewards 0 and 1
+    short = [make_trajectory(24, rng, group="g-short", reward=1.0)]  # its sibling failed
+    summary = summarize_batch([*full, *short], version=0)
+    assert summary["trajectories"] == 3.0
+    assert summary["reward"] == pytest.approx(2 / 3)
