@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 import uuid
 from collections import Counter
@@ -47,10 +48,13 @@ _episodes = cast(Table, Episode.__table__)
 _runs = cast(Table, Run.__table__)
 
 StalePolicy = Literal["drop", "downweight"]
+LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class TrajectoryStream(Protocol):
-    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]: ...
+    async def pull(
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+    ) -> list[Trajectory]: ...
 
     async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int: ...
 
@@ -105,16 +109,25 @@ class DbTrajectoryStream:
 
     # ---- pull -----------------------------------------------------------------------
 
-    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]:
-        """Lease up to `max_n` trajectories, waiting up to `timeout` s for the first."""
+    async def pull(
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+    ) -> list[Trajectory]:
+        """Lease up to `max_n` trajectories, waiting up to `timeout` s for the first.
+
+        `lease_id` (32 hex digits, the caller's) makes a resent pull safe: when
+        trajectories are still leased under it, the pull whose answer was lost did lease
+        them, and they are served again (the lease renewed) instead of leasing more."""
         if max_n < 1:
             raise InvalidInput("max_n must be >= 1", field="max_n")
         if not 0 <= timeout <= 3600:
             raise InvalidInput("timeout must be in [0, 3600] seconds", field="timeout")
+        if lease_id is not None and not LEASE_ID.fullmatch(lease_id):
+            raise InvalidInput("lease_id must be 32 lowercase hex digits", field="lease_id")
+        lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout
         while True:
             added = self.turns.trajectories_added()  # taken before looking: no lost wake-up
-            leased = await self._lease(max_n)
+            leased = await self._lease(max_n, lease_id)
             remaining = deadline - time.monotonic()
             if leased or remaining <= 0:
                 return leased
@@ -122,10 +135,17 @@ class DbTrajectoryStream:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
 
-    async def _lease(self, max_n: int) -> list[Trajectory]:
+    async def _lease(self, max_n: int, lease_id: str) -> list[Trajectory]:
         now = datetime.now(UTC)
-        lease_id = uuid.uuid4().hex
         dropped_groups = 0
+        async with self.turns.write_transaction() as session:
+            held = await self._renew(session, lease_id, now)
+            if held:
+                version = await session.scalar(
+                    select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
+                )
+        if held:
+            return await self._serve(held, lease_id, version or 0)
         async with self.turns.write_transaction() as session:
             expired = await session.execute(
                 update(_trajectories)
@@ -170,19 +190,48 @@ class DbTrajectoryStream:
                 await self.gate.groups_taken(len(taken))
         if not chosen:
             return []
-        views = await self.turns.trajectories([row.id for row in chosen])
+        served = await self._serve([row.id for row in chosen], lease_id, version, count=True)
+        self.counters.served_fresh += n_fresh
+        self.counters.served_replay += len(chosen) - n_fresh
+        return served
+
+    async def _renew(self, session: Any, lease_id: str, now: datetime) -> list[uuid.UUID]:
+        """The ids still leased under `lease_id`, their lease renewed."""
+        held = list(
+            (
+                await session.scalars(
+                    select(_trajectories.c.id)
+                    .where(_trajectories.c.run_id == self.run_id)
+                    .where(_trajectories.c.status == "leased")
+                    .where(_trajectories.c.lease_id == lease_id)
+                    .order_by(_trajectories.c.created_at, _trajectories.c.id)
+                )
+            ).all()
+        )
+        if held:
+            await session.execute(
+                update(_trajectories)
+                .where(_trajectories.c.id.in_(held))
+                .values(lease_until=now + timedelta(seconds=self.lease_s))
+            )
+        return held
+
+    async def _serve(
+        self, ids: list[uuid.UUID], lease_id: str, version: int, *, count: bool = False
+    ) -> list[Trajectory]:
+        """The leased trajectories as the trainer gets them, weighted for staleness."""
         served: list[Trajectory] = []
-        for view in views:
+        for view in await self.turns.trajectories(ids):
             weight = 1.0
             staleness = view.staleness(version)
             if staleness is not None:
-                self.counters.staleness[staleness] += 1
+                if count:  # a renewed lease was counted when it was first served
+                    self.counters.staleness[staleness] += 1
                 if self.max_staleness is not None and staleness > self.max_staleness:
                     weight = 1.0 / (1 + staleness - self.max_staleness)
-                    self.counters.downweighted += 1
+                    if count:
+                        self.counters.downweighted += 1
             served.append(dataclasses.replace(view, lease_id=lease_id, loss_weight=weight))
-        self.counters.served_fresh += n_fresh
-        self.counters.served_replay += len(chosen) - n_fresh
         return served
 
     async def _drop_stale(self, session: Any, bound: int) -> int:
@@ -375,8 +424,17 @@ class HttpTrajectoryStream:
             raise cls(f"trajectory stream {route}: HTTP {response.status_code}: {response.text}")
         return response.json() if response.content else None
 
-    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]:
-        served = await self._post("lease", {"max_n": max_n, "timeout_s": min(timeout, 60)}, timeout)
+    async def pull(
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+    ) -> list[Trajectory]:
+        # The lease id travels with the request, so a resent pull (its answer lost to a
+        # gateway that died) gets the same trajectories back instead of leasing more.
+        body = {
+            "max_n": max_n,
+            "timeout_s": min(timeout, 60),
+            "lease_id": lease_id or uuid.uuid4().hex,
+        }
+        served = await self._post("lease", body, timeout)
         return [trajectory_from_json(t) for t in served["trajectories"]]
 
     async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int:

@@ -29,6 +29,12 @@ class LeaseRequest(BaseModel):
 
     max_n: int = Field(ge=1, le=4096, description="at most this many trajectories")
     timeout_s: float = Field(default=0.0, ge=0, le=60, description="wait this long for one")
+    lease_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="the caller's id for this lease: a resent pull with it gets the "
+        "trajectories still leased under it instead of more",
+    )
 
 
 class AckRequest(BaseModel):
@@ -51,7 +57,7 @@ class RejectRequest(BaseModel):
 @router.post("/lease")
 async def lease(run_id: uuid.UUID, body: LeaseRequest, manager: RunManagerDep) -> dict[str, Any]:
     stream = await manager.stream(run_id)
-    served = await stream.pull(body.max_n, body.timeout_s)
+    served = await stream.pull(body.max_n, body.timeout_s, body.lease_id)
     return {"trajectories": [asdict(t) for t in served]}
 
 

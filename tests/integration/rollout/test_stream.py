@@ -60,6 +60,30 @@ async def test_an_expired_lease_is_served_again(turn_tree: TurnTree) -> None:
     assert stream.counters.expired_leases == 2
 
 
+async def test_a_resent_pull_gets_its_lease_back_instead_of_more(turn_tree: TurnTree) -> None:
+    run = await make_run(turn_tree)
+    await finished_group(turn_tree, run, 2)
+    await finished_group(turn_tree, run, 2)
+    stream = _stream(turn_tree, run, lease_s=0.5)
+    lease = uuid.uuid4().hex
+    first = await stream.pull(2, lease_id=lease)
+    assert len(first) == 2 and {t.lease_id for t in first} == {lease}
+    # Its answer was lost; the caller sends the same pull again, past half the lease.
+    await asyncio.sleep(0.3)
+    again = await stream.pull(2, lease_id=lease)
+    assert [t.id for t in again] == [t.id for t in first]
+    await asyncio.sleep(0.3)  # the first lease would have expired by now: renewed
+    other = await stream.pull(10)
+    assert {t.id for t in other}.isdisjoint(t.id for t in first) and len(other) == 2
+    assert stream.counters.served_fresh == 4 and stream.counters.expired_leases == 0
+    assert await stream.ack([t.id for t in again], lease) == 2
+    # Once acknowledged, the id leases afresh (nothing of it is leased any more).
+    assert await stream.pull(2, lease_id=lease) == []
+    with pytest.raises(InvalidInput) as bad:
+        await stream.pull(2, lease_id="not-hex")
+    assert bad.value.field == ("lease_id",)
+
+
 async def test_ack_is_idempotent_and_bound_to_its_lease(turn_tree: TurnTree) -> None:
     run = await make_run(turn_tree)
     await finished_group(turn_tree, run, 2)

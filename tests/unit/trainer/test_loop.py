@@ -33,7 +33,9 @@ class MemoryStream:
         self.rejected: dict[uuid.UUID, str] = {}
         self.reclaimed = 0
 
-    async def pull(self, max_n: int, timeout: float = 0.0) -> list[Trajectory]:
+    async def pull(
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+    ) -> list[Trajectory]:
         lease = uuid.uuid4().hex
         out = [dataclasses.replace(t, lease_id=lease) for t in self.ready[:max_n]]
         self.ready = self.ready[max_n:]
