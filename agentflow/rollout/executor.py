@@ -51,6 +51,7 @@ from agentflow.plugins import EpisodeEvent, RewardInput, call, load_function
 from agentflow.rollout.elastic import ElasticLimit, ElasticPool
 from agentflow.rollout.envs import EnvSource
 from agentflow.rollout.gate import StalenessGate
+from agentflow.rollout.mix import SourceMix
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
 
@@ -104,6 +105,7 @@ class RunExecutor:
         self.runs = runs or RunStore(turns.sessions)
         self.runtime = runtime
         self.sources = sources
+        self._mix = SourceMix([s.weight for s in sources])
         self.agent = agent
         self.gateway_url = gateway_url
         self.secret_key = secret_key
@@ -262,8 +264,7 @@ class RunExecutor:
             await self._end("failed", f"{type(exc).__name__}: {exc}")
 
     def _pick_source(self) -> int:
-        weights = [s.weight for s in self.sources]
-        return self._rng.choices(range(len(self.sources)), weights=weights)[0]
+        return self._mix.pick()
 
     async def _play(
         self, source_index: int, task: dict[str, object], group_id: str, group: _Group
