@@ -3,8 +3,10 @@
 Both paths play the same MiniWoB++ episodes (the scripted oracle, the same seeds) with
 the same env code; they differ only in where the browser comes from:
 
-- warm: one `BrowserPool` for the whole run (warm browsers, a fresh context per
-  episode, contexts prepared ahead): AgentFlow's way;
+- warm: one `BrowserPool` for the whole run, each task's page recycled from one
+  episode to the next (as MiniWoB++ itself runs them): AgentFlow's default;
+- fresh: the same pool, but a new context with the page loaded for every episode
+  (prepared ahead), `recycle_pages = false`;
 - cold: a new browser per episode, launched by one Playwright driver kept for the
   whole run, as BrowserGym does (its reset closes the browser and launches another from
   a global driver).
@@ -17,7 +19,7 @@ and 100 ms slow-mo per action). Prints reset and step latency (p50/p90) and epis
 for each path, and the ratios. Targets: warm reset p50 <= 0.3 s, step p50 <= 0.15 s,
 warm episodes/s >= 5x cold.
 
-    python bench/browser_env.py --episodes 40 --concurrency 1
+    python bench/browser_env.py --episodes 40 --cold-episodes 20 --concurrency 1
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from envs import registry  # noqa: E402
 from envs.browser.miniwob import make_env  # noqa: E402
 from envs.browser.pool import BrowserPool  # noqa: E402
 
+SHOTS = True
 TASKS = ("click-button", "click-link", "click-option", "enter-text", "click-checkboxes")
 
 
@@ -48,8 +51,10 @@ class Timings:
     seconds: float = 0.0
 
 
-async def episode(task: str, seed: int, pool: BrowserPool, timings: Timings) -> None:
-    env = make_env(task, pool=pool, screenshots=True)
+async def episode(
+    task: str, seed: int, pool: BrowserPool, timings: Timings, *, recycle: bool
+) -> None:
+    env = make_env(task, pool=pool, screenshots=SHOTS, recycle_pages=recycle)
     oracle = registry.oracle(f"miniwob/{task}-v0")
     try:
         started = time.perf_counter()
@@ -68,19 +73,19 @@ async def episode(task: str, seed: int, pool: BrowserPool, timings: Timings) -> 
         await env.close()
 
 
-async def warm(episodes: int, concurrency: int) -> Timings:
+async def warm(episodes: int, concurrency: int, *, recycle: bool) -> Timings:
     timings = Timings()
     pool = BrowserPool(size=1 if concurrency == 1 else 2)
     gate = asyncio.Semaphore(concurrency)
-    # The pool's browser and each task's first spare are made before the clock starts:
-    # a gateway keeps them warm between episodes.
+    # The pool's browser and each task's first spare (or page to recycle) are made before
+    # the clock starts: a gateway keeps them warm between episodes.
     for task in TASKS:
-        await episode(task, 10_000, pool, Timings())
+        await episode(task, 10_000, pool, Timings(), recycle=recycle)
     await asyncio.sleep(1.0)
 
     async def one(i: int) -> None:
         async with gate:
-            await episode(TASKS[i % len(TASKS)], i, pool, timings)
+            await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=recycle)
 
     started = time.perf_counter()
     try:
@@ -102,7 +107,7 @@ async def cold(episodes: int, concurrency: int) -> Timings:
         async with gate:
             pool = BrowserPool(size=1, spares=0, idle_close_s=None, playwright=driver)
             try:
-                await episode(TASKS[i % len(TASKS)], i, pool, timings)
+                await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=False)
             finally:
                 await pool.aclose()
 
@@ -135,16 +140,19 @@ def main() -> None:
     parser.add_argument("--cold-episodes", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=1)
     args = parser.parse_args()
-    warm_t = asyncio.run(warm(args.episodes, args.concurrency))
+    warm_t = asyncio.run(warm(args.episodes, args.concurrency, recycle=True))
+    fresh_t = asyncio.run(warm(args.episodes, args.concurrency, recycle=False))
     cold_t = asyncio.run(cold(args.cold_episodes, args.concurrency))
     print(f"MiniWoB++ {', '.join(TASKS)}; concurrency {args.concurrency}; screenshots on")
     warm_rate = report("warm", warm_t, args.episodes)
+    fresh_rate = report("fresh", fresh_t, args.episodes)
     cold_rate = report("cold", cold_t, args.cold_episodes)
-    reset_ratio = statistics.median(cold_t.resets) / statistics.median(warm_t.resets)
-    print(
-        f"ratio: reset p50 cold/warm {reset_ratio:.1f}x"
-        f", episodes/s warm/cold {warm_rate / cold_rate:.1f}x"
-    )
+    for name, t, rate in (("warm", warm_t, warm_rate), ("fresh", fresh_t, fresh_rate)):
+        reset_ratio = statistics.median(cold_t.resets) / statistics.median(t.resets)
+        print(
+            f"ratio {name}/cold: reset p50 {reset_ratio:.1f}x faster"
+            f", episodes/s {rate / cold_rate:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ class BrowserEnvSpec(_Spec):
     viewport: tuple[_Pixels, _Pixels] | None = Field(
         default=None, description="width, height in pixels; empty: the task's own (500x340)"
     )
+    recycle_pages: bool = Field(
+        default=True,
+        description="run the next episode in the last one's page, put back as loaded (as "
+        "MiniWoB++ does); false: a new browser context for every episode",
+    )
 
     @field_validator("task")
     @classmethod

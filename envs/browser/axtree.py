@@ -49,6 +49,13 @@ MARK_BIDS_JS = """(chromeSelectors) => {
   return [focusedBid, chrome, document.title];
 }"""
 
+# Bids are numbered in document order from 1 on a fresh page; a recycled page is
+# numbered afresh, so the same task state reads the same either way.
+UNMARK_BIDS_JS = """() => {
+  for (const el of document.querySelectorAll('[data-bid]')) el.removeAttribute('data-bid');
+  window.__afNextBid = 1;
+}"""
+
 INTERACTIVE = frozenset(
     {
         "button", "link", "textbox", "searchbox", "checkbox", "radio", "combobox",
@@ -123,6 +130,11 @@ async def mark_bids(page: Page, chrome_selectors: tuple[str, ...] = ()) -> Marks
     trip."""
     focused, chrome, title = await page.evaluate(MARK_BIDS_JS, list(chrome_selectors))
     return Marks(focused, frozenset(b for b in chrome if b), str(title))
+
+
+async def unmark_bids(page: Page) -> None:
+    """Forget every bid (a page recycled for another episode starts from 1 again)."""
+    await page.evaluate(UNMARK_BIDS_JS)
 
 
 def tree_requests(cdp: CDPSession) -> list[Awaitable[dict[str, Any]]]:

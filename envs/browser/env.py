@@ -1,7 +1,8 @@
 """`BrowserEnv`: one browser task per episode, BrowserGym's actions, a warm pool.
 
-reset: a fresh context from the pool (prepared ahead: routes set, the task page loaded),
-the task started with the seed, the first observation. step: the action parsed
+reset: a context from the pool (prepared ahead: routes set, the task page loaded; or
+the last episode's, recycled by the task when it can: envs/browser/pool.py), the task
+started with the seed, the first observation. step: the action parsed
 (envs/browser/actions.py; never executed as code), carried out through Playwright
 (envs/browser/perform.py), the task scored, the next observation.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from envs.base import (
@@ -40,13 +42,20 @@ from envs.base import (
     TextAction,
 )
 from envs.browser.actions import ActionError, GotoPolicy, parse_call
-from envs.browser.axtree import build_tree, compact, flatten, mark_bids, tree_requests
+from envs.browser.axtree import (
+    build_tree,
+    compact,
+    flatten,
+    mark_bids,
+    tree_requests,
+    unmark_bids,
+)
 from envs.browser.perform import Tabs, perform
 from envs.browser.pool import BrowserPool, Lease, shared_pool
 from envs.browser.task import BrowserTask, TaskStatus
 
 if TYPE_CHECKING:
-    from playwright.async_api import CDPSession, Page
+    from playwright.async_api import BrowserContext, CDPSession, Page
 
     from envs.specs import BrowserEnvSpec
 
@@ -65,8 +74,13 @@ class BrowserEnv:
         compact_chars: int = 600,
         action_timeout_ms: int = 2_000,
         viewport: tuple[int, int] | None = None,
+        recycle_pages: bool = True,
     ) -> None:
+        """`recycle_pages`: an ended episode's page goes back to the pool for this task's
+        next episode when the task can put it back as loaded (`BrowserTask.recycle`);
+        False: every episode gets a new context."""
         self.task = task
+        self.recycle_pages = recycle_pages
         self._pool = pool
         self.screenshots = screenshots
         self.compact_chars = compact_chars
@@ -96,13 +110,14 @@ class BrowserEnv:
         self._lease = await pool.lease(
             f"{self.task.key}@{width}x{height}",
             self.task.prepare,
+            recycle=self._recycle if self.recycle_pages else None,
             viewport={"width": width, "height": height},
         )
         page = self._lease.page
         self._tabs = Tabs(self._lease.context, page, self.viewport, self.action_timeout_ms)
         self._goal, self._cdp = await asyncio.gather(
             self.task.setup(page, 0 if seed is None else seed),
-            self._lease.context.new_cdp_session(page),
+            _cdp_session(self._lease.context, page),
         )
         self._cdp_page = page
         self._steps, self._done, self._error = 0, False, None
@@ -172,7 +187,7 @@ class BrowserEnv:
     async def _cdp_for(self, page: Page) -> CDPSession:
         assert self._lease is not None
         if self._cdp is None or self._cdp_page is not page:
-            self._cdp = await self._lease.context.new_cdp_session(page)
+            self._cdp = await _cdp_session(self._lease.context, page)
             self._cdp_page = page
         return self._cdp
 
@@ -225,10 +240,31 @@ class BrowserEnv:
         return base64.b64decode(shot["data"])
 
     async def _end_episode(self, *, wait: bool) -> None:
-        lease, self._lease = self._lease, None
-        self._tabs = self._cdp = self._cdp_page = None
+        lease = self._lease
+        self._lease = self._tabs = self._cdp = self._cdp_page = None
         if lease is not None:
             await lease.close(wait=wait)
+
+    async def _recycle(self, page: Page) -> bool:
+        """The task's recycle, then the bids forgotten (renumbered from 1 next time) and
+        the mouse back where a new page has it (no element left hovered)."""
+        if not await self.task.recycle(page):
+            return False
+        await unmark_bids(page)
+        await page.mouse.move(0, 0)
+        return True
+
+
+# One CDP session per page for as long as the page lives: a recycled page keeps its
+# session instead of opening one more per episode.
+_SESSIONS: weakref.WeakKeyDictionary[Page, CDPSession] = weakref.WeakKeyDictionary()
+
+
+async def _cdp_session(context: BrowserContext, page: Page) -> CDPSession:
+    session = _SESSIONS.get(page)
+    if session is None:
+        session = _SESSIONS[page] = await context.new_cdp_session(page)
+    return session
 
 
 async def _unscored() -> TaskStatus:
@@ -268,6 +304,7 @@ def from_spec(spec: BrowserEnvSpec) -> BrowserEnv:
         MiniWoBTask(name),
         screenshots=spec.screenshots,
         compact_chars=spec.compact_chars,
+        recycle_pages=spec.recycle_pages,
         action_timeout_ms=spec.action_timeout_ms,
         viewport=spec.viewport,
     )

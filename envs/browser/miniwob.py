@@ -12,6 +12,13 @@ the page's own, scored as BrowserGym does: 1.0 when the raw reward is positive, 
 when the task's tab navigates away from the task page. The score is read from the task's
 tab even while the agent works in another one.
 
+Between episodes the page is recycled, as MiniWoB++'s own environment does (one page,
+episode after episode): the HUD, timer, focus, storage and cookies go back to what a
+fresh load has, the bids are renumbered, and the next `startEpisodeReal` regenerates the
+task. A page the agent navigated away from, or that opened another tab, is closed
+instead. `tests/integration/browser/test_browser_recycle.py` checks that a recycled
+page's first observation equals a fresh page's for the same seed.
+
 This module imports neither Playwright nor the registry at import time: the registry
 imports it to list the tasks.
 """
@@ -48,6 +55,26 @@ SETUP_JS = """async ([seed, maxMs, waitMs]) => {
     await new Promise((resolve) => setTimeout(resolve, 10));
   }
   return [Boolean(WOB_TASK_READY), core.getUtterance()];
+}"""
+
+
+# A finished episode's page made what a freshly loaded one is at `setup`: the timer
+# stopped, the HUD (last reward, average, episodes done) as loaded, focus and storage
+# cleared. `startEpisodeReal` then regenerates the task, scroll and selection, as it
+# does between MiniWoB++'s own episodes.
+RECYCLE_JS = """() => {
+  if (typeof core === 'undefined' || !document.getElementById('reward-display')) return false;
+  if (core.EP_TIMER !== null) { clearTimeout(core.EP_TIMER); core.EP_TIMER = null; }
+  core.clearTimer();
+  WOB_EPISODE_ID = 0;
+  core.wob_latest = '-';
+  core.wob_scores = [];
+  document.getElementById('reward-display').innerHTML = core.DISPLAY_HTML;
+  const focused = document.activeElement;
+  if (focused && focused !== document.body) focused.blur();
+  localStorage.clear();
+  sessionStorage.clear();
+  return true;
 }"""
 
 
@@ -94,6 +121,12 @@ class MiniWoBTask:
         if not ready:
             raise EnvError(f"{self.key}: the page did not become ready in {READY_WAIT_MS} ms")
         return " ".join(str(goal).split())
+
+    async def recycle(self, page: Page) -> bool:
+        if not page.url.startswith(self.start_url):
+            return False
+        await page.context.clear_cookies()
+        return bool(await page.evaluate(RECYCLE_JS))
 
     async def status(self, page: Page) -> TaskStatus:
         if not page.url.startswith(self.start_url):

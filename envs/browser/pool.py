@@ -1,9 +1,17 @@
-"""A pool of warm Chromium browsers; a fresh browser context for every episode.
+"""A pool of warm Chromium browsers; a clean browser context for every episode.
 
 BrowserGym launches a browser per reset (about 2 s here). A browser is the expensive
 part, and a *context* (cookies, storage, cache, pages) is what isolates one episode from
-another, so the pool keeps `size` browsers running and hands each episode a new context,
-closed when the episode ends. Contexts are never reused.
+another, so the pool keeps `size` browsers running and hands each episode a context of
+its own, closed when the episode ends.
+
+Unless the task can recycle it: a lease made with `recycle` (MiniWoB++, whose pages run
+episode after episode by design) gives its context back when it ends, if the episode
+left just its one page and `recycle(page)` puts that page back the way `prepare` leaves
+it; the key's next lease takes it instead of loading the page again. That turns the
+per-episode cost from a context and a page load (~0.2 s of CPU) into one call into the
+page. Nothing else is ever reused: a context whose agent opened a tab, navigated away,
+or whose recycle fails is closed.
 
 Resets stay fast because contexts are prepared ahead: an env names a preparation (a
 `prepare(context) -> Page` coroutine, e.g. routes set and the task page loaded) under a
@@ -14,8 +22,8 @@ closes in the background too (`Lease.close(wait=False)`), so a reset waits for n
 
 Concurrency: at most `size * contexts_per_browser` leases are open at once (a semaphore;
 more wait), each new context going to the browser with the fewest, so no browser holds
-more than `contexts_per_browser` leased contexts (spares come on top, at most `spares`
-per key).
+more than `contexts_per_browser` leased contexts (ready ones come on top: at most
+`spares` prepared ahead per key, and recycled ones up to the key's open episodes).
 
 Processes: one Playwright driver per pool, `size` Chromium processes under it, started
 on the first lease inside the running event loop. The pool closes them on `aclose()`
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 
 POOL_SIZE_ENV_VAR = "AGENTFLOW_BROWSER_POOL_SIZE"
 Prepare = Callable[["BrowserContext"], Awaitable["Page"]]
+Recycle = Callable[["Page"], Awaitable[bool]]
 
 
 @dataclass
@@ -56,19 +65,44 @@ class Lease:
     page: Page
     pool: BrowserPool
     slot: _Slot
+    recycle: Recycle | None = None
     closed: bool = False
 
     async def close(self, *, wait: bool = True) -> None:
-        """Close the context; with `wait=False` in the background (a reset need not wait
-        for the last episode's context to go; `pool.aclose()` still does)."""
+        """Recycle the context for the key's next lease when the lease's `recycle`
+        allows, else close it; with `wait=False` the close runs in the background (a
+        reset need not wait for the last episode's context to go; `pool.aclose()` still
+        does). Recycling is one short call into the page, always awaited."""
         if self.closed:
             return
         self.closed = True
         self.pool._active[self.key] -= 1
+        if self.recycle is not None and await self._recycled(self.recycle):
+            return
         if wait:
             await self._close_context()
         else:
             self.pool._track(asyncio.get_running_loop().create_task(self._close_context()))
+
+    async def _recycled(self, recycle: Recycle) -> bool:
+        """Whether the context went back to the pool's ready ones for this key: only a
+        live one with just its own page left, while the key keeps fewer than it uses."""
+        pool, browser = self.pool, self.slot.browser
+        if pool._closed or len(pool._ready[self.key]) >= pool._keep(self.key):
+            return False
+        if browser is None or not browser.is_connected() or self.context.pages != [self.page]:
+            return False  # a tab the agent opened, a crash: start the next one clean
+        try:
+            if not await recycle(self.page):
+                return False
+        except Exception:  # noqa: BLE001 - a page that cannot be recycled is closed instead
+            return False
+        if pool._closed:
+            return False
+        pool._ready[self.key].append((self.context, self.page, self.slot))
+        pool.recycled += 1
+        pool._release(self.slot, context_kept=True)
+        return True
 
     async def _close_context(self) -> None:
         try:
@@ -126,12 +160,17 @@ class BrowserPool:
         self._closed = False
         self.loop = asyncio.get_running_loop()
         self.launches = 0  # browsers started, for tests and the bench
-        self.spares_used = 0  # leases served by a context prepared ahead
+        self.spares_used = 0  # leases served by a context prepared ahead or recycled
+        self.recycled = 0  # ended leases whose context went back to the ready ones
 
     # -- leasing ------------------------------------------------------------------------
 
-    async def lease(self, key: str, prepare: Prepare, **context_options: Any) -> Lease:
-        """A fresh context made by `prepare` (a spare one when there is one)."""
+    async def lease(
+        self, key: str, prepare: Prepare, *, recycle: Recycle | None = None, **context_options: Any
+    ) -> Lease:
+        """A context made by `prepare` (a spare or recycled one when there is one).
+        `recycle`: how to make the page of an ended lease ready for the key's next one
+        (the context is closed when it is None or says False)."""
         if self._closed:
             raise EnvError("the browser pool is closed")
         await self._capacity.acquire()
@@ -151,7 +190,7 @@ class BrowserPool:
             self._active[key] += 1
             self._open += 1
             self._refill(key, prepare, context_options)
-            return Lease(key, context, page, self, slot)
+            return Lease(key, context, page, self, slot, recycle)
         except BaseException:
             self._capacity.release()
             raise
@@ -229,8 +268,15 @@ class BrowserPool:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _release(self, slot: _Slot) -> None:
-        slot.leased -= 1
+    def _keep(self, key: str) -> int:
+        """Ready contexts worth keeping for a key, asked as one of its leases ends: one
+        for each episode it had open, this one included (each may reset soon), at least
+        `spares`."""
+        return max(self.spares, self._active[key] + 1)
+
+    def _release(self, slot: _Slot, *, context_kept: bool = False) -> None:
+        if not context_kept:  # a kept context still counts on its browser, as a spare
+            slot.leased -= 1
         self._open -= 1
         self._capacity.release()
         if self.idle_close_s is not None and self._open == 0 and not self._closed:

@@ -4,7 +4,9 @@
 observations); a `BrowserTask` owns what a suite knows (MiniWoB++ is one:
 envs/browser/miniwob.py). Tasks are plain objects made once per env and used for each
 of its episodes. There is no teardown step: everything an episode made lives in its own
-browser context, which the pool closes when the episode ends.
+browser context, which the pool closes when the episode ends, unless the task can
+`recycle` it: put the page back as a fresh one would be, for the next episode of the
+same task (MiniWoB++ runs its episodes back to back in one page, by design).
 """
 
 from __future__ import annotations
@@ -44,4 +46,10 @@ class BrowserTask(Protocol):
 
     async def status(self, page: Page) -> TaskStatus:
         """Score the page as it is now."""
+        ...
+
+    async def recycle(self, page: Page) -> bool:
+        """Make the page of a finished episode what `prepare` leaves, ready for `setup`;
+        False when it cannot (the context is closed instead). Called only on a context
+        with this one page, still on `start_url`."""
         ...

@@ -14,6 +14,7 @@ from agentflow.client import AsyncClient
 from agentflow.config import Settings
 from agentflow.rollout.envs import EnvSource
 from envs import registry
+from envs.browser.env import BrowserEnv
 from envs.browser.oracles import ORACLES
 
 pytestmark = pytest.mark.integration
@@ -30,15 +31,22 @@ async def api(sqlite_database: str) -> AsyncIterator[AsyncClient]:
 
 async def test_register_and_play_a_browser_env(api: AsyncClient) -> None:
     name = f"browser-{uuid.uuid4().hex[:8]}"
-    spec = {"task": "miniwob/login-user-v0", "screenshots": False, "viewport": [400, 300]}
+    spec = {
+        "task": "miniwob/login-user-v0",
+        "screenshots": False,
+        "viewport": [400, 300],
+        "recycle_pages": False,
+    }
     created = await api.create_env({"name": name, "kind": "browser", "spec": spec})
     assert created.kind == "browser" and created.spec["task"] == "miniwob/login-user-v0"
+    assert created.spec["recycle_pages"] is False
 
     source = EnvSource(
         ref=name, weight=1.0, max_concurrency=1, step_timeout_s=10, kind=created.kind,
         spec=created.spec,
     )  # fmt: skip
     env = source.make()
+    assert isinstance(env, BrowserEnv) and env.recycle_pages is False
     try:
         result = await env.reset(seed=4)
         assert result.observation.image is None
@@ -60,6 +68,7 @@ async def test_register_and_play_a_browser_env(api: AsyncClient) -> None:
         ({"task": "miniwob/click-button-v0", "headless": False}, "headless"),
         ({"task": "miniwob/click-button-v0", "viewport": [10, 10]}, "viewport"),
         ({"task": "miniwob/click-button-v0", "compact_chars": 5}, "compact_chars"),
+        ({"task": "miniwob/click-button-v0", "recycle_pages": "sometimes"}, "recycle_pages"),
     ],
 )
 async def test_bad_browser_specs_are_refused_naming_the_field(

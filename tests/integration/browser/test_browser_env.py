@@ -104,7 +104,7 @@ async def test_same_seed_same_task_instance(pool: BrowserPool) -> None:
 
 
 async def test_each_episode_gets_a_fresh_context(pool: BrowserPool) -> None:
-    env = make_env("click-test", pool=pool, screenshots=False)
+    env = make_env("click-test", pool=pool, screenshots=False, recycle_pages=False)
     try:
         await env.reset(seed=1)
         assert env._lease is not None and env._tabs is not None

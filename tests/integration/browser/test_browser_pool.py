@@ -85,7 +85,7 @@ async def test_idle_pool_closes_its_browsers_and_starts_again() -> None:
 
 async def test_a_reset_takes_a_context_prepared_ahead() -> None:
     pool = BrowserPool(1, spares=2, idle_close_s=None)
-    env = make_env("click-test", pool=pool, screenshots=False)
+    env = make_env("click-test", pool=pool, screenshots=False, recycle_pages=False)
     try:
         await env.reset(seed=0)
         assert pool.spares_used == 0
