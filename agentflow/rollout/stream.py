@@ -123,11 +123,12 @@ class DbTrajectoryStream:
             raise InvalidInput("timeout must be in [0, 3600] seconds", field="timeout")
         if lease_id is not None and not LEASE_ID.fullmatch(lease_id):
             raise InvalidInput("lease_id must be 32 lowercase hex digits", field="lease_id")
+        resendable = lease_id is not None  # only a caller's own id can be held already
         lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout
         while True:
             added = self.turns.trajectories_added()  # taken before looking: no lost wake-up
-            leased = await self._lease(max_n, lease_id)
+            leased = await self._lease(max_n, lease_id, resendable=resendable)
             remaining = deadline - time.monotonic()
             if leased or remaining <= 0:
                 return leased
@@ -135,17 +136,18 @@ class DbTrajectoryStream:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
 
-    async def _lease(self, max_n: int, lease_id: str) -> list[Trajectory]:
+    async def _lease(self, max_n: int, lease_id: str, *, resendable: bool) -> list[Trajectory]:
         now = datetime.now(UTC)
         dropped_groups = 0
-        async with self.turns.write_transaction() as session:
-            held = await self._renew(session, lease_id, now)
+        if resendable:
+            async with self.turns.write_transaction() as session:
+                held = await self._renew(session, lease_id, now)
+                if held:
+                    version = await session.scalar(
+                        select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
+                    )
             if held:
-                version = await session.scalar(
-                    select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
-                )
-        if held:
-            return await self._serve(held, lease_id, version or 0)
+                return await self._serve(held, lease_id, version or 0)
         async with self.turns.write_transaction() as session:
             expired = await session.execute(
                 update(_trajectories)
