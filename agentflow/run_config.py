@@ -428,18 +428,84 @@ class WeightsConfig(_Section):
 
 
 class TeacherConfig(_Section):
-    """Planned: `RunConfig.teachers` refuses any entry until the Teacher Manager exists."""
+    """One teacher of on-policy distillation (`trainer.teachers`): a local HF checkpoint
+    loaded into the trainer, or an SGLang engine that scores over HTTP."""
 
-    name: str = Field(min_length=1)
-    path: str = Field(default="", description="local HF checkpoint")
-    url: AnyHttpUrl | None = Field(default=None, description="remote engine")
-    envs: list[str] = Field(default_factory=list, description="env ids this teacher serves")
-    weight: float = Field(default=1.0, gt=0)
+    name: str = Field(description="the teacher's name in metrics and errors")
+    path: str = Field(default="", description="local HF-format checkpoint directory")
+    url: AnyHttpUrl | None = Field(
+        default=None, description="an SGLang server (or router) serving the teacher"
+    )
+    envs: list[str] = Field(
+        default_factory=list, description="env ids whose episodes this teacher scores"
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        description="turn tags (what `distill.rule` answers) this teacher scores; its name "
+        "is always one of them",
+    )
+    weight: float = Field(
+        default=1.0, gt=0, description="share of episodes when several teachers cover an env"
+    )
+    timeout_s: float = Field(default=120.0, gt=0, le=3600, description="url: per-request timeout")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> TeacherConfig:
         if bool(self.path) == (self.url is not None):
             raise ValueError("give exactly one of path or url")
+        if self.path and self.timeout_s != _default(TeacherConfig, "timeout_s"):
+            raise ValueError("timeout_s is for a teacher engine (url), not a checkpoint")
+        return self
+
+
+class DistillConfig(_Section):
+    """How teachers' scores enter the loss (`trainer.teachers`, docs/distillation.md)."""
+
+    coef: float = Field(default=1.0, gt=0, le=1000, description="weight of the reverse-KL term")
+    rl: bool = Field(
+        default=True,
+        description="keep the RL objective (the KL term is added to it); false: distil alone",
+    )
+    estimator: Literal["sampled", "full"] = Field(
+        default="sampled",
+        description="sampled: the teacher's log-prob of each sampled token (any teacher); "
+        "full: the exact reverse KL over the whole vocabulary at each sampled position "
+        "(local teachers only; holds vocab floats per policy token)",
+    )
+    route: Literal["episode", "turn"] = Field(
+        default="episode",
+        description="episode: one teacher per episode, by its env; turn: each policy turn "
+        "by `rule` (a turn the rule leaves open falls back to its episode's teacher)",
+    )
+    rule: PluginPath | None = Field(
+        default=None,
+        description="`pkg.mod:fn`, fn(TurnContext) -> tag or None: the per-turn routing rule",
+    )
+    max_resident: int = Field(
+        default=1, ge=1, le=64, description="local teachers held in memory at once (LRU)"
+    )
+    offload: Literal["drop", "cpu"] = Field(
+        default="drop",
+        description="an evicted teacher: dropped (reloaded from its path) or moved to CPU "
+        "memory (a CUDA trainer only)",
+    )
+    max_tokens_per_batch: int = Field(
+        default=16384, ge=64, description="tokens (padding included) per teacher forward"
+    )
+
+    @model_validator(mode="after")
+    def _rule_for_turns(self) -> DistillConfig:
+        if self.route == "turn" and self.rule is None:
+            raise ValueError("route = 'turn' needs a rule (`pkg.mod:fn`)")
+        if self.route == "episode" and self.rule is not None:
+            raise ValueError("rule routes turns: set route = 'turn' to use it")
         return self
 
 
@@ -456,8 +522,9 @@ class RunConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     teachers: list[TeacherConfig] = Field(
-        default_factory=list, description="on-policy distillation; not available yet"
+        default_factory=list, description="on-policy distillation (docs/distillation.md)"
     )
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @field_validator("name")
@@ -480,12 +547,39 @@ class RunConfig(_Section):
             )
         return value
 
-    @field_validator("teachers", mode="before")
-    @classmethod
-    def _teachers(cls, value: Any) -> Any:
-        if value:  # any entry, well-formed or not
-            raise _not_available("[[teachers]]", TEACHER_MANAGER)
-        return value
+    @model_validator(mode="after")
+    def _teachers(self) -> RunConfig:
+        if not self.teachers:
+            if "distill" in self.model_fields_set:
+                raise ValueError("[distill] configures teachers: add [[teachers]] or remove it")
+            return self
+        names = [t.name for t in self.teachers]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"teacher names must be unique: {', '.join(twice)} repeated")
+        remote = [t.name for t in self.teachers if t.url is not None]
+        if self.distill.estimator == "full" and remote:
+            raise ValueError(
+                f"distill.estimator = 'full' needs every teacher's full distribution, and "
+                f"{', '.join(remote)} score over HTTP (sampled tokens only): use 'sampled'"
+            )
+        mix = {e.id for e in self.envs}
+        for teacher in self.teachers:
+            if not teacher.envs and not teacher.tags and self.distill.route == "episode":
+                raise ValueError(
+                    f"teacher {teacher.name!r} covers no env: list the env ids it scores "
+                    "in envs (or route turns to its tags)"
+                )
+            stray = [e for e in teacher.envs if e not in mix]
+            if stray:
+                raise ValueError(
+                    f"teacher {teacher.name!r} covers {', '.join(stray)}, which the run's "
+                    f"envs do not include ({', '.join(sorted(mix))})"
+                )
+        # A checkpoint's presence and vocabulary are the trainer's to check
+        # (`trainer.teachers.check_teachers`): the gateway never loads a teacher, and
+        # its file system may not hold the path.
+        return self
 
     @field_validator("warm_start")
     @classmethod

@@ -254,6 +254,9 @@ def _register_builtins() -> None:
         ("agentflow/guess-number-v0", "guess_number:GuessNumberEnv", "guess_number:oracle"),
         ("agentflow/calc-tool-v0", "calc_tool:CalcToolEnv", "calc_tool:oracle"),
         ("agentflow/lookup-v0", "lookup:LookupEnv", "lookup:oracle"),
+        ("agentflow/reverse-digits-v0", "digits:reverse_digits", "digits:oracle"),
+        ("agentflow/shift-digits-v0", "digits:shift_digits", "digits:oracle"),
+        ("agentflow/digit-relay-v0", "digits:digit_relay", "digits:oracle"),
     )
     for env_id, entry_point, oracle_path in builtins:
         register(
@@ -281,5 +284,12 @@ def _register_builtins() -> None:
     register_desktop_tasks()
 
 
-BUILTIN_ENVS = ("agentflow/guess-number-v0", "agentflow/calc-tool-v0", "agentflow/lookup-v0")
+BUILTIN_ENVS = (
+    "agentflow/guess-number-v0",
+    "agentflow/calc-tool-v0",
+    "agentflow/lookup-v0",
+    "agentflow/reverse-digits-v0",
+    "agentflow/shift-digits-v0",
+    "agentflow/digit-relay-v0",
+)
 _register_builtins()

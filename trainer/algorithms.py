@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -215,3 +215,82 @@ def policy_loss(
         if kl_ref is not None:
             metrics["kl_ref"] = float(kl_ref.mean())
     return loss, metrics
+
+
+class DistillLoss(BaseModel):
+    """The reverse-KL term of on-policy distillation (`trainer.teachers`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coef: float = Field(default=1.0, gt=0, description="weight of the reverse-KL term")
+    rl: bool = Field(default=True, description="keep the RL advantages; False: distil alone")
+    estimator: Literal["sampled", "full"] = Field(
+        default="sampled",
+        description="sampled: -coef·(log π_θ - log π_T) of each sampled token joins its "
+        "advantage (a policy-gradient estimate of the reverse KL, under the PPO clip); "
+        "full: coef·KL(π_θ ‖ π_T) over the whole vocabulary at each sampled position, "
+        "differentiated exactly",
+    )
+
+
+def distill_terms(
+    distill: DistillLoss,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mb: Any,
+    *,
+    student_full: torch.Tensor | None,
+    normalizer: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[tuple[int, str], float]]:
+    """(per-token advantages, the full estimator's loss term or None, KL sums per teacher).
+
+    Per policy token scored by a teacher (`mb.teacher_index` >= 0), the reverse KL
+    KL(π_θ ‖ π_T) at that position is estimated as:
+      sampled: log π_θ(x) - log π_T(x) on the sampled x (unbiased for the KL, k1);
+               its negative, times `coef`, is added to the token's advantage, so the PPO
+               loss descends it like a per-token reward;
+      full:    Σ_v π_θ(v) (log π_θ(v) - log π_T(v)), exact; added to the loss as a token
+               mean over the batch (the PPO loss's own normaliser), times `coef`.
+    Unscored tokens (a turn no teacher covers) carry no KL term. Without `distill.rl`
+    the RL advantages are dropped: the student learns from its teachers alone.
+    """
+    import torch
+
+    assert mb.teacher_index is not None and mb.teacher_logprobs is not None
+    index = mb.policy_values(mb.teacher_index)
+    scored = index >= 0
+    advantages = advantages if distill.rl else torch.zeros_like(advantages)
+    kl_loss = None
+    if distill.estimator == "sampled":
+        teacher_lp = mb.policy_values(mb.teacher_logprobs)
+        kl = torch.where(scored, logp.detach().float() - teacher_lp, torch.zeros_like(teacher_lp))
+        advantages = advantages - distill.coef * kl
+    else:
+        if student_full is None or mb.teacher_rows is None or mb.teacher_dist is None:
+            raise InvalidInput(
+                "the full estimator needs the teachers' distributions", field="estimator"
+            )
+        rows = mb.policy_values(mb.teacher_rows)
+        teacher_logp = mb.teacher_dist[rows.clamp(min=0)]
+        per_token = (student_full.exp() * (student_full - teacher_logp)).sum(-1)
+        per_token = torch.where(rows >= 0, per_token, torch.zeros_like(per_token))
+        kl_loss = distill.coef * (per_token * weights.float()).sum() / float(normalizer)
+        kl = per_token.detach()
+    sums: dict[tuple[int, str], float] = {}
+    for teacher in index[scored].unique().tolist():
+        mine = index == teacher
+        sums[(int(teacher), "kl")] = float(kl[mine].sum())
+        sums[(int(teacher), "tokens")] = float(mine.sum())
+    return advantages, kl_loss, sums
+
+
+def teacher_metrics(names: Sequence[str], sums: dict[tuple[int, str], float]) -> dict[str, float]:
+    """`teacher/NAME/kl` (mean reverse KL on its tokens) and `teacher/NAME/tokens`."""
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        tokens = sums.get((i, "tokens"), 0.0)
+        out[f"teacher/{name}/tokens"] = tokens
+        if tokens:
+            out[f"teacher/{name}/kl"] = sums.get((i, "kl"), 0.0) / tokens
+    return out

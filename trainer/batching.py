@@ -40,6 +40,8 @@ from agentflow.types import Trajectory
 if TYPE_CHECKING:
     import torch
 
+    from trainer.teachers import TeacherTargets
+
 
 class InvalidTrajectory(InvalidInput):
     """A trajectory the trainer cannot train on; the loop rejects it and goes on."""
@@ -91,6 +93,13 @@ class MicroBatch:
     spans: tuple[Span, ...]
     num_tokens: int  # real (unpadded) tokens
     num_policy_tokens: int  # loss_mask.sum()
+    # Distillation (`trainer.teachers`), target-aligned like `behaviour_logprobs`: the
+    # scoring teacher's index (-1: none), its log-prob of the target, and with the full
+    # estimator the row of `teacher_dist` (its log-softmax there; -1: none).
+    teacher_index: torch.Tensor | None = None  # long
+    teacher_logprobs: torch.Tensor | None = None  # float32
+    teacher_rows: torch.Tensor | None = None  # long
+    teacher_dist: torch.Tensor | None = None  # float32 (scored positions, vocab)
 
     def to(self, device: torch.device | str) -> MicroBatch:
         fields = (
@@ -104,6 +113,10 @@ class MicroBatch:
             "loss_weights",
         )
         moved = {f: getattr(self, f).to(device, non_blocking=True) for f in fields}
+        for optional in ("teacher_index", "teacher_logprobs", "teacher_rows", "teacher_dist"):
+            value = getattr(self, optional)
+            if value is not None:
+                moved[optional] = value.to(device, non_blocking=True)
         mask = self.attention_mask
         return replace(self, attention_mask=None if mask is None else mask.to(device), **moved)
 
@@ -204,8 +217,10 @@ def build_microbatches(
     config: BatchingConfig | None = None,
     *,
     vocab_size: int | None = None,
+    teacher: Sequence[TeacherTargets] | None = None,
 ) -> list[MicroBatch]:
-    """Lay `trajectories` (with one advantage each) out as micro-batches on the CPU.
+    """Lay `trajectories` (with one advantage each) out as micro-batches on the CPU;
+    `teacher`: their teacher scores, one per trajectory (distillation).
 
     Raises `InvalidTrajectory` for an unusable trajectory (filter with `split_valid`
     first) and `InvalidInput` for a wrong number of advantages or a non-finite one.
@@ -218,6 +233,10 @@ def build_microbatches(
         )
     if not all(math.isfinite(a) for a in advantages):
         raise InvalidInput("advantages must be finite", field="advantages")
+    if teacher is not None and len(teacher) != len(trajectories):
+        raise InvalidInput(
+            f"{len(teacher)} teacher scores for {len(trajectories)} trajectories", field="teacher"
+        )
     budget = config.max_tokens_per_microbatch
     for t in trajectories:
         validate(t, max_tokens=budget, vocab_size=vocab_size)
@@ -236,10 +255,46 @@ def build_microbatches(
         else:
             groups.append([row])
             width = row_len
+    packed = config.layout == "packed"
     return [
-        _assemble(group, trajectories, advantages, config, packed=config.layout == "packed")
+        _with_teacher(_assemble(group, trajectories, advantages, config, packed=packed), teacher)
         for group in groups
     ]
+
+
+def _with_teacher(mb: MicroBatch, teacher: Sequence[TeacherTargets] | None) -> MicroBatch:
+    """`mb` with its trajectories' teacher scores laid out on its grid."""
+    if teacher is None:
+        return mb
+    import torch
+
+    shape = mb.input_ids.shape
+    index = torch.full(shape, -1, dtype=torch.long)
+    logprobs = torch.zeros(shape, dtype=torch.float32)
+    full = any(teacher[s.index].rows is not None for s in mb.spans)
+    rows = torch.full(shape, -1, dtype=torch.long) if full else None
+    dists: list[torch.Tensor] = []
+    offset = 0
+    for span in mb.spans:
+        target = teacher[span.index]
+        n = span.length
+        if len(target.logprobs) != n or len(target.teacher) != n:
+            raise InvalidInput("teacher scores must have one entry per token", field="teacher")
+        # Token k is predicted at position k - 1 (see the module docstring).
+        at = slice(span.start, span.start + n - 1)
+        index[span.row, at] = torch.tensor(target.teacher[1:], dtype=torch.long)
+        logprobs[span.row, at] = torch.tensor(target.logprobs[1:], dtype=torch.float32)
+        if rows is not None and target.rows is not None and target.dist is not None:
+            local = torch.tensor(target.rows[1:], dtype=torch.long)
+            rows[span.row, at] = torch.where(local >= 0, local + offset, local)
+            dists.append(target.dist)
+            offset += int(target.dist.shape[0])
+    dist = torch.cat(dists) if dists else None
+    if rows is not None and dist is None:
+        rows = None
+    return replace(
+        mb, teacher_index=index, teacher_logprobs=logprobs, teacher_rows=rows, teacher_dist=dist
+    )
 
 
 def _assemble(

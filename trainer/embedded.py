@@ -34,6 +34,7 @@ from trainer.backends.torch_backend import TorchPolicy
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
+from trainer.teachers import build_teachers, check_teachers
 from trainer.weights import WeightPublisher
 
 if TYPE_CHECKING:
@@ -50,9 +51,9 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     """Check what this process can train, and run the warm start if the run needs it.
     Returns the config with `model.path` pointing at the weights RL starts from.
 
-    Options not built yet (megatron, rtpo, nccl, kl_coef, teachers) never get here: the
-    config's parse refuses them. Checked here is what depends on this process form and
-    this machine, before anything is written or trained."""
+    Options not built yet (megatron, rtpo, nccl, kl_coef) never get here: the config's
+    parse refuses them. Checked here is what depends on this process form and this
+    machine (teacher checkpoints among it), before anything is written or trained."""
     if config.engine.type != "local":
         raise InvalidInput(
             "the embedded trainer updates a local engine in process; use `agentflow trainer "
@@ -61,6 +62,7 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         )
     check_device(config.engine.device, ("engine", "device"))
     check_device(config.trainer.device, ("trainer", "device"))
+    check_teachers(config)
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
     config = _with_warm_start(config, directory)
@@ -171,8 +173,26 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
                 return None
             return f"run is {executor.state}: {executor.counters.last_error}"
 
+        async def on_error(step: int, message: str) -> None:
+            report.error(step, message)
+
         steps = loop_settings(config, checkpoints)
-        await train(policy, stream, publisher, steps, state, on_step=on_step, alive=alive)
+        teachers = build_teachers(config, policy.model)
+        try:
+            await train(
+                policy,
+                stream,
+                publisher,
+                steps,
+                state,
+                on_step=on_step,
+                alive=alive,
+                teachers=teachers,
+                on_error=on_error,
+            )
+        finally:
+            if teachers is not None:
+                await teachers.close()
         await executor.stop("training finished")
         return report.finish(
             {

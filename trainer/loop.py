@@ -12,6 +12,7 @@ acknowledged again on restart, which counts once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import time
 import uuid
@@ -23,9 +24,10 @@ from typing import Any
 from agentflow.errors import AgentFlowError
 from agentflow.rollout.stream import TrajectoryStream
 from agentflow.types import Trajectory
-from trainer.algorithms import AlgorithmConfig, group_advantages
+from trainer.algorithms import AlgorithmConfig, DistillLoss, group_advantages
 from trainer.backends.torch_backend import TorchPolicy, checkpoint_dir, latest_checkpoint
 from trainer.batching import split_valid
+from trainer.teachers import TeacherError, TeacherManager
 from trainer.weights import WeightPublisher
 
 
@@ -52,6 +54,15 @@ class LoopSettings:
     keep_checkpoints: int
     max_tokens: int
     pull_timeout_s: float = 5.0
+    distill: DistillLoss | None = None  # with teachers: the reverse-KL term
+    teacher_retry_s: tuple[float, float] = (2.0, 60.0)  # first and longest wait
+
+
+StepErrorHook = Callable[[int, str], Awaitable[None]]
+
+
+async def _ignore_error(step: int, error: str) -> None:
+    return None
 
 
 StepHook = Callable[[int, dict[str, float], Sequence[Trajectory]], Awaitable[None]]
@@ -66,13 +77,25 @@ async def train(
     *,
     on_step: StepHook,
     alive: Callable[[], str | None] = lambda: None,
+    teachers: TeacherManager | None = None,
+    on_error: StepErrorHook = _ignore_error,
 ) -> LoopState:
-    """Run steps until `settings.steps`; `alive()` names why the rollout side ended."""
+    """Run steps until `settings.steps`; `alive()` names why the rollout side ended.
+
+    With `teachers`, each batch is scored by them before its step. A teacher that fails
+    (`TeacherError`, naming it) fails that step, not the run: `on_error(step, message)`
+    hears of it, and the same batch is tried again after a wait that doubles up to
+    `settings.teacher_retry_s[1]`; nothing is acknowledged or dropped meanwhile."""
+    held: list[Trajectory] | None = None
+    failures = 0
     while state.step < settings.steps:
         started = time.perf_counter()
-        batch = await lease_batch(stream, settings, alive)
+        if held is None:
+            batch = await lease_batch(stream, settings, alive)
+            valid = await reject_invalid(stream, batch, policy, settings.max_tokens)
+        else:
+            batch, valid, held = held, held, None
         waited = time.perf_counter() - started
-        valid = await reject_invalid(stream, batch, policy, settings.max_tokens)
         if not valid:
             continue
         advantages = group_advantages(
@@ -80,7 +103,30 @@ async def train(
             [t.group_id for t in valid],
             normalize_std=settings.normalize_std,
         )
-        metrics = await asyncio.to_thread(policy.train_step, valid, advantages, settings.algorithm)
+        scores = None
+        if teachers is not None:
+            try:
+                scores = await teachers.score(valid)
+            except TeacherError as exc:
+                failures += 1
+                await on_error(state.step + 1, exc.message)
+                first, longest = settings.teacher_retry_s
+                await asyncio.sleep(min(longest, first * 2 ** (failures - 1)))
+                held = valid
+                continue
+            failures = 0
+        metrics = await asyncio.to_thread(
+            functools.partial(
+                policy.train_step,
+                valid,
+                advantages,
+                settings.algorithm,
+                teacher=scores,
+                distill=settings.distill if scores is not None else None,
+            )
+        )
+        if scores is not None:
+            metrics.update(scores.metrics)
         state.step += 1
         state.version += 1
         sync = await publisher.publish(policy.state_dict(), state.version)

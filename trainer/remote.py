@@ -51,6 +51,7 @@ from agentflow.run_config import RunConfig, check_device
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
+from trainer.teachers import build_teachers, check_teachers
 from trainer.weights import GatewayWeightTarget, WeightPublisher, WeightSyncError
 
 # What the gateway's run and this trainer both use, so must agree on (the model's seed only
@@ -108,6 +109,7 @@ def check_split_form(config: RunConfig) -> None:
             field=("warm_start", "enabled"),
         )
     check_device(config.trainer.device, ("trainer", "device"))
+    check_teachers(config)
 
 
 def check_same_run(config: RunConfig, stored: dict[str, Any], run_id: uuid.UUID) -> None:
@@ -385,18 +387,33 @@ async def _train(
         async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
             report.record(step, {**summarize_batch(batch, state.version - 1), **metrics})
 
+        async def on_error(step: int, message: str) -> None:
+            report.error(step, message)
+
         settings = loop_settings(config, checkpoints)
+        teachers = build_teachers(config, policy.model)
         try:
             if restored is not None:
                 state.version = max(state.version, run.weight_version) + 1
                 await publisher.publish(policy.state_dict(), state.version)
             else:
                 state.version = run.weight_version
-            await train(policy, stream, publisher, settings, state, on_step=on_step)
+            await train(
+                policy,
+                stream,
+                publisher,
+                settings,
+                state,
+                on_step=on_step,
+                teachers=teachers,
+                on_error=on_error,
+            )
         except WeightSyncError:
             if published.gave_up is not None:  # one line, not the publisher's wrapping
                 raise published.gave_up from None
             raise
         finally:
             await weights_api.aclose()
+            if teachers is not None:
+                await teachers.close()
     return report.finish({"run": config.name, "run_id": str(run_id), "gateway": gateway})

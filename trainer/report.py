@@ -4,6 +4,7 @@ the end `summary.json` and a PNG plot of reward and episode length against step.
     runs/<name>/
       config.json          the validated run config
       metrics.jsonl        one JSON object per trainer step
+      errors.jsonl         steps that failed and were tried again (a teacher down)
       summary.json         first/last 10% mean reward, steps, time, where things are
       reward.png           reward and turns per episode against step
       checkpoints/step-N/  model, optimizer, step, version (see trainer.loop)
@@ -21,6 +22,7 @@ from typing import Any, TextIO
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+ERRORS_FILE = "errors.jsonl"
 PLOT_FILE = "reward.png"
 
 
@@ -44,6 +46,17 @@ class RunReport:
         if self.first_step is None:
             self.first_step = step
         self._progress(step, metrics)
+
+    def error(self, step: int, message: str) -> None:
+        """A step that failed and will be tried again (the run goes on)."""
+        row = {"step": step, "time": round(time.perf_counter() - self.started, 3), "error": message}
+        with (self.directory / ERRORS_FILE).open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(
+            f"step {step:>4}/{self.total_steps}  failed, trying again: {message}",
+            file=self.out,
+            flush=True,
+        )
 
     def _progress(self, step: int, m: dict[str, float]) -> None:
         elapsed = time.perf_counter() - self.started

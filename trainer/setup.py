@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from agentflow.run_config import RunConfig, check_device
-from trainer.algorithms import AlgorithmConfig
+from trainer.algorithms import AlgorithmConfig, DistillLoss
 from trainer.backends.torch_backend import TorchBackendConfig, TorchPolicy
 from trainer.batching import BatchingConfig
 from trainer.loop import LoopSettings
@@ -57,4 +57,9 @@ def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:
         checkpoint_every=trainer.checkpoint_every,
         keep_checkpoints=trainer.keep_checkpoints,
         max_tokens=trainer.max_tokens_per_microbatch,
+        distill=DistillLoss(
+            coef=config.distill.coef, rl=config.distill.rl, estimator=config.distill.estimator
+        )
+        if config.teachers
+        else None,
     )

@@ -463,7 +463,7 @@ class TurnTree:
         async with self._sessions() as session:
             for chunk in turn_sql.chunks(unique):
                 rows = await session.execute(
-                    select(_trajectories, _episodes.c.group_id)
+                    select(_trajectories, _episodes.c.group_id, _episodes.c.env_ref)
                     .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
                     .where(_trajectories.c.id.in_(chunk))
                 )
@@ -489,6 +489,7 @@ class TurnTree:
                 min_weight_version=row.min_weight_version,
                 created_at=turn_rows.aware(row.created_at),
                 lease_id=row.lease_id,
+                env_ref=row.env_ref or "",
                 **{f.name: getattr(context, f.name) for f in fields(Context)},
             )
         return [built[t] for t in trajectory_ids]

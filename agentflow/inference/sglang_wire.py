@@ -47,7 +47,7 @@ class _Body(BaseModel):
 class SamplingParamsBody(_Body):
     """The `sampling_params` keys this client sends."""
 
-    max_new_tokens: int = Field(default=128, ge=1)
+    max_new_tokens: int = Field(default=128, ge=0)  # 0: prefill only (scoring)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop_token_ids: list[int] | None = None

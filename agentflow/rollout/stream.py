@@ -476,4 +476,5 @@ def trajectory_from_json(data: dict[str, Any]) -> Trajectory:
         weight_versions=tuple(data["weight_versions"]),
         lease_id=data.get("lease_id"),
         loss_weight=float(data.get("loss_weight", 1.0)),
+        env_ref=str(data.get("env_ref") or ""),
     )

@@ -78,11 +78,20 @@ def parse_generate(raw: dict[str, Any]) -> wire.GenerateBody:
         raise Refusal("input_ids must be a non-empty list of ids")
     if isinstance(raw["input_ids"][0], list):
         raise Refusal("batched input_ids are not supported by this worker")
-    if raw.get("logprob_start_len", -1) != -1:
-        raise Refusal("only logprob_start_len=-1 (output log-probs) is supported")
     sampling = raw.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise Refusal("sampling_params must be an object")
+    start = raw.get("logprob_start_len", -1)
+    if start != -1 and (
+        not isinstance(start, int)
+        or start < 0
+        or sampling.get("max_new_tokens", 128) != 0
+        or not raw.get("return_logprob")
+    ):
+        raise Refusal(
+            "input log-probs (logprob_start_len >= 0) only for scoring: with "
+            "return_logprob and sampling_params.max_new_tokens = 0"
+        )
     implemented = wire.SamplingParamsBody.model_fields.keys()
     unknown = sampling.keys() - implemented - wire.SAMPLING_DEFAULTS.keys()
     unknown -= wire.SAMPLING_TEXT_ONLY
@@ -255,6 +264,33 @@ def create_mock_worker(
             return _error(exc.message, 503)
         return _error(exc.message, 500 if exc.status_code >= 500 else 400)
 
+    async def _score(body: wire.GenerateBody) -> dict[str, Any]:
+        """Prefill only: SGLang's `input_token_logprobs` from `logprob_start_len` on, the
+        first entry's log-prob None when it starts at token 0 (nothing predicts it)."""
+        score = getattr(engine, "score", None)
+        if score is None:
+            raise Refusal("this worker's engine cannot score input tokens")
+        ids = list(body.input_ids)
+        start = min(body.logprob_start_len, len(ids))
+        values = await asyncio.to_thread(
+            score, ids, body.sampling_params.temperature, max(1, start)
+        )
+        entries: list[list[Any]] = [[None, ids[0], None]] if start == 0 else []
+        entries += [[lp, tok, None] for lp, tok in zip(values, ids[max(1, start) :], strict=True)]
+        state.log.append({"score": True, "input_ids": ids, "at": time.time()})
+        return {
+            "output_ids": [],
+            "meta_info": {
+                "id": body.rid or uuid.uuid4().hex,
+                "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": len(ids),
+                "completion_tokens": 0,
+                "cached_tokens": 0,
+                "weight_version": wire.version_to_wire((await engine.info()).weight_version),
+                "input_token_logprobs": entries,
+            },
+        }
+
     @app.post("/generate")
     async def generate(request: Request) -> dict[str, Any]:
         body = parse_generate(await json_body(request))
@@ -263,6 +299,8 @@ def create_mock_worker(
         for item in body.image_data or ():
             if not item.startswith("data:image/"):
                 raise Refusal("image_data: this worker reads data URLs only")
+        if body.logprob_start_len >= 0:
+            return await _score(body)
         req = _to_request(body, request.headers.get(wire.ROUTING_KEY_HEADER))
         state.log.append(
             {

@@ -56,11 +56,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.modeling import MODEL_INIT_FILE, load_model, save_model, token_logprobs
 from agentflow.types import Trajectory
-from trainer.algorithms import AlgorithmConfig, policy_loss
+from trainer.algorithms import (
+    AlgorithmConfig,
+    DistillLoss,
+    distill_terms,
+    policy_loss,
+    teacher_metrics,
+)
 from trainer.batching import BatchingConfig, MicroBatch, build_microbatches
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from trainer.teachers import TeacherScores
 
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "trainer_state.json"
@@ -136,9 +144,11 @@ class TorchPolicy:
         select: torch.Tensor,
         *,
         entropy: bool = False,
+        full: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of `mb.targets` at the `select`ed positions (flat, row-major), and
-        optionally the entropy of log_softmax(logits / T) there (no grad)."""
+        optionally the entropy of log_softmax(logits / T) there (no grad). With `full`
+        given, log_softmax(logits / T) itself (with grad) is appended to it."""
         inputs = {
             "input_ids": mb.input_ids,
             "position_ids": mb.position_ids,
@@ -151,6 +161,9 @@ class TorchPolicy:
             hidden = model.get_decoder()(**inputs).last_hidden_state
             logits = model.get_output_embeddings()(hidden[select])
         logp = token_logprobs(logits, mb.targets[select], temperature)
+        if full is not None:
+            scaled = logits / temperature if temperature > 0 else logits
+            full.append(torch.log_softmax(scaled.float(), dim=-1))
         ent = None
         if entropy:
             with torch.no_grad():
@@ -175,9 +188,16 @@ class TorchPolicy:
         trajectories: Sequence[Trajectory],
         advantages: Sequence[float],
         algorithm: AlgorithmConfig | None = None,
+        *,
+        teacher: TeacherScores | None = None,
+        distill: DistillLoss | None = None,
     ) -> dict[str, float]:
-        """One batch: `algorithm.minibatches` optimizer steps; returns the step's metrics."""
+        """One batch: `algorithm.minibatches` optimizer steps; returns the step's metrics.
+        With `teacher` (its scores of these trajectories), the reverse-KL term of
+        `distill` joins the loss (`trainer.algorithms.distill_terms`)."""
         algorithm = algorithm or AlgorithmConfig()
+        if (teacher is None) != (distill is None):
+            raise InvalidInput("teacher scores and the distill loss go together", field="teacher")
         if not trajectories:
             raise InvalidInput("no trajectories to train on", field="trajectories")
         if len(advantages) != len(trajectories):
@@ -197,6 +217,7 @@ class TorchPolicy:
                     [advantages[i] for i in part],
                     self.config.batching,
                     vocab_size=self.vocab_size,
+                    teacher=None if teacher is None else [teacher.targets[i] for i in part],
                 )
             ]
             for part in parts
@@ -224,6 +245,7 @@ class TorchPolicy:
         fixed_s = time.perf_counter() - batched
 
         sums: dict[str, float] = defaultdict(float)
+        kl_by_teacher: dict[tuple[int, str], float] = defaultdict(float)
         max_is_weight = 0.0
         losses, norms = [], []
         skipped = 0
@@ -240,19 +262,40 @@ class TorchPolicy:
                 dummy = k >= len(part)  # FSDP: a short rank repeats one, with no weight
                 if self.sharded:
                     self.model.set_requires_gradient_sync(k == count - 1)
-                logp, ent = self._selected_logprobs(
-                    self.model, mb, temperature, mb.loss_mask, entropy=algorithm.entropy
+                full: list[torch.Tensor] | None = (
+                    [] if distill is not None and distill.estimator == "full" else None
                 )
+                logp, ent = self._selected_logprobs(
+                    self.model, mb, temperature, mb.loss_mask, entropy=algorithm.entropy, full=full
+                )
+                weights = mb.policy_values(mb.loss_weights) * (0.0 if dummy else 1.0)
+                advantages_mb = mb.policy_values(mb.advantages)
+                kl_loss = None
+                if distill is not None:
+                    advantages_mb, kl_loss, kl_sums = distill_terms(
+                        distill,
+                        logp,
+                        advantages_mb,
+                        weights,
+                        mb,
+                        student_full=full[0] if full else None,
+                        normalizer=total,
+                    )
+                    if not dummy:
+                        for name, value in kl_sums.items():
+                            kl_by_teacher[name] += value
                 loss, metrics = policy_loss(
                     logp,
                     fixed_prox.get(id(mb), logp.detach()),
                     mb.policy_values(mb.behaviour_logprobs),
-                    mb.policy_values(mb.advantages),
-                    mb.policy_values(mb.loss_weights) * (0.0 if dummy else 1.0),
+                    advantages_mb,
+                    weights,
                     algorithm,
                     normalizer=total,
                     logp_ref=fixed_ref.get(id(mb)),
                 )
+                if kl_loss is not None:
+                    loss = loss + kl_loss
                 loss.backward()
                 if dummy:
                     continue
@@ -296,6 +339,8 @@ class TorchPolicy:
             tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
             lr=float(self.optimizer.param_groups[0]["lr"]),
         )
+        if teacher is not None:
+            out.update(teacher_metrics(teacher.names, kl_by_teacher))
         return out
 
     # -- weights and checkpoints --------------------------------------------------------

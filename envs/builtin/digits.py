@@ -1,0 +1,165 @@
+"""Digit-string skills: `agentflow/reverse-digits-v0`, `agentflow/shift-digits-v0` and
+`agentflow/digit-relay-v0`, whose turns alternate between the two.
+
+Each episode asks `questions` questions, one per turn, about a fresh string of `length`
+digits. A question is one line, ``reverse 4821`` or ``shift 4821``:
+
+- ``reverse``: the digits in reverse order (``1284``);
+- ``shift``: every digit plus one, 9 wrapping to 0 (``5932``).
+
+The reverse and shift envs ask only their own skill; the relay env alternates, starting
+with a random one, so every episode needs both skills, a turn at a time. They exist for
+multi-teacher distillation (`trainer.teachers`): a teacher trained on each skill env,
+and a student distilled on the relay, where routing each *turn* to the teacher of its
+skill (`skill_of_turn`) is right and routing a whole episode to one teacher is wrong on
+half the turns.
+
+Answer format: the last run of digits in the text (``"answer 1284"`` -> ``1284``).
+Reward: ``1 / questions`` per right answer, so an episode's return is the share it got
+right; a wrong answer does not end the episode (each turn is its own question), so a
+policy sees every question whatever it answered before. The next question comes with
+the verdict: ``right. shift 0417`` / ``wrong. shift 0417``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from envs.base import Action, Message, Observation, TextAction
+from envs.turn_env import Outcome, TurnEnv
+
+Skill = Literal["reverse", "shift"]
+SKILLS: tuple[Skill, ...] = ("reverse", "shift")
+_DIGITS = re.compile(r"\d+")
+_QUESTION = re.compile(r"\b(reverse|shift) (\d+)\s*$")
+
+
+def solve(skill: str, digits: str) -> str:
+    """The right answer to ``{skill} {digits}``."""
+    if skill == "reverse":
+        return digits[::-1]
+    if skill == "shift":
+        return "".join(str((int(d) + 1) % 10) for d in digits)
+    raise ValueError(f"unknown skill {skill!r}")
+
+
+def _user(text: str) -> Observation:
+    return Observation(messages=[Message(role="user", content=text)], text=text)
+
+
+class DigitsEnv(TurnEnv):
+    """`questions` digit-string questions of `skill` (or alternating, for ``relay``)."""
+
+    def __init__(
+        self,
+        skill: Literal["reverse", "shift", "relay"] = "reverse",
+        questions: int = 3,
+        length: int = 4,
+    ) -> None:
+        if skill not in ("reverse", "shift", "relay"):
+            raise ValueError("skill must be 'reverse', 'shift' or 'relay'")
+        if not 1 <= questions <= 64:
+            raise ValueError("questions must be in [1, 64]")
+        if not 1 <= length <= 32:
+            raise ValueError("length must be in [1, 32]")
+        super().__init__(max_turns=questions)
+        self.skill = skill
+        self.env_id = {
+            "reverse": "agentflow/reverse-digits-v0",
+            "shift": "agentflow/shift-digits-v0",
+            "relay": "agentflow/digit-relay-v0",
+        }[skill]
+        self.questions, self.length = questions, length
+        self.asked: list[tuple[Skill, str]] = []
+        self.right = 0
+
+    def _draw(self) -> tuple[Skill, str]:
+        if self.skill == "relay":
+            first = self.asked[0][0] if self.asked else self.rng.choice(SKILLS)
+            skill: Skill = SKILLS[(SKILLS.index(first) + len(self.asked)) % 2]
+        else:
+            skill = self.skill
+        digits = "".join(self.rng.choice("0123456789") for _ in range(self.length))
+        self.asked.append((skill, digits))
+        return skill, digits
+
+    async def _start(self, options: dict[str, Any]) -> Observation:
+        self.asked, self.right = [], 0
+        skill, digits = self._draw()
+        return _user(f"{skill} {digits}")
+
+    async def _turn(self, action: Action) -> Outcome:
+        assert isinstance(action, TextAction)
+        skill, digits = self.asked[-1]
+        found = _DIGITS.findall(action.text)
+        correct = bool(found) and found[-1] == solve(skill, digits)
+        self.right += correct
+        verdict = "right" if correct else "wrong"
+        reward = round(1.0 / self.questions, 6) if correct else 0.0
+        info: dict[str, Any] = {"skill": skill, "correct": correct}
+        if len(self.asked) >= self.questions:
+            info.update(success=self.right == self.questions, right=self.right)
+            return Outcome(_user(f"{verdict}. done"), reward=reward, terminated=True, info=info)
+        skill, digits = self._draw()
+        return Outcome(_user(f"{verdict}. {skill} {digits}"), reward=reward, info=info)
+
+    def _state(self) -> dict[str, Any]:
+        return {"skill": self.skill, "asked": len(self.asked), "right": self.right}
+
+
+def question(text: str) -> tuple[Skill, str] | None:
+    """The question an observation asks (``"wrong. shift 0417"`` -> ``("shift", "0417")``)."""
+    match = _QUESTION.search(text)
+    if match is None:
+        return None
+    skill = match.group(1)
+    return ("reverse" if skill == "reverse" else "shift"), match.group(2)
+
+
+def _last_question(history: Sequence[Observation]) -> tuple[Skill, str] | None:
+    for observation in reversed(history):
+        for message in reversed(observation.messages):
+            asked = question(message.content)
+            if asked is not None:
+                return asked
+    return None
+
+
+def oracle(history: Sequence[Observation]) -> TextAction:
+    """Answers the last question asked."""
+    asked = _last_question(history)
+    return TextAction(text="0" if asked is None else solve(*asked))
+
+
+def noisy_oracle(
+    p_oracle: float, seed: int | None = None
+) -> Callable[[Sequence[Observation]], TextAction]:
+    """The right answer with probability ``p_oracle``, else random digits of its length."""
+    if not 0.0 <= p_oracle <= 1.0:
+        raise ValueError("p_oracle must be in [0, 1]")
+    rng = random.Random(seed)
+
+    def policy(history: Sequence[Observation]) -> TextAction:
+        asked = _last_question(history)
+        if asked is None:
+            return TextAction(text="0")
+        if rng.random() < p_oracle:
+            return TextAction(text=solve(*asked))
+        return TextAction(text="".join(rng.choice("0123456789") for _ in asked[1]))
+
+    return policy
+
+
+def reverse_digits(**kwargs: Any) -> DigitsEnv:
+    return DigitsEnv(skill="reverse", **kwargs)
+
+
+def shift_digits(**kwargs: Any) -> DigitsEnv:
+    return DigitsEnv(skill="shift", **kwargs)
+
+
+def digit_relay(**kwargs: Any) -> DigitsEnv:
+    return DigitsEnv(skill="relay", **kwargs)
