@@ -358,6 +358,32 @@ def sft(
     _print({"model": str(target), **metrics})
 
 
+@app.command("eval")
+def eval_command(
+    config: ConfigArg,
+    model: Annotated[Path, typer.Option(help="an HF-format model directory to evaluate")],
+    episodes: Annotated[int, typer.Option(min=1, help="sampled episodes per env")] = 400,
+    seed: Annotated[int, typer.Option(min=0, help="seeds the env tasks and sampling")] = 0,
+) -> None:
+    """Play a model on each env of a run config's mix, as the run's agent would; prints
+    mean reward and success rate per env."""
+    run_config = _run_config(config)
+    if not (model / "config.json").is_file():
+        raise _fail(InvalidInput(f"no HF model at {model} (config.json missing)", field="model"))
+    from dataclasses import asdict
+
+    from transformers.utils import logging as hf_logging
+
+    from trainer.evaluation import evaluate_run_model
+
+    hf_logging.disable_progress_bar()
+    try:
+        results = evaluate_run_model(run_config, model, episodes=episodes, seed=seed)
+    except AgentFlowError as exc:
+        raise _fail(exc) from None
+    _print({"model": str(model), "envs": {env: asdict(m) for env, m in results.items()}})
+
+
 def _positive(value: float) -> float:
     if not value > 0:
         raise typer.BadParameter(f"must be > 0, not {value}")

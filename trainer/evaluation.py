@@ -24,9 +24,12 @@ from agentflow.tokenization.chat import ChatTemplate
 from envs import registry
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from transformers import PreTrainedModel
 
     from agentflow.inference.local import LocalEngine
+    from agentflow.run_config import RunConfig
 
 
 @dataclass
@@ -164,3 +167,36 @@ async def evaluate(
         episodes_per_s=round(n / max(seconds, 1e-9), 1),
         generated_tokens=sum(sum(r.loss_mask) for r in results),
     )
+
+
+def evaluate_run_model(
+    config: RunConfig, model_path: str | Path, *, episodes: int = 400, seed: int = 0
+) -> dict[str, EvalMetrics]:
+    """`model_path` played on each env of `config`'s mix as the run's agent plays it (its
+    budgets, system prompt, temperature, env kwargs): `episodes` sampled episodes each."""
+    from agentflow.modeling import load_model, tokenizer_kind
+    from agentflow.tokenization import load_tokenizer
+    from agentflow.tokenization.chat import chat_template_for
+
+    model = load_model(model_path)
+    kind = tokenizer_kind(model)
+    template = chat_template_for(load_tokenizer("bytes" if kind == "bytes" else model_path))
+    agent = config.agent
+    out: dict[str, EvalMetrics] = {}
+    for entry in config.envs:
+        out[entry.id] = asyncio.run(
+            evaluate(
+                model,
+                entry.id,
+                episodes,
+                template,
+                temperature=agent.temperature,
+                seed=seed,
+                max_turns=agent.max_turns,
+                max_tokens=agent.max_tokens,
+                max_new_tokens=agent.max_new_tokens,
+                system_prompt=agent.system_prompt,
+                env_kwargs={entry.id: dict(entry.kwargs)} if entry.kwargs else None,
+            )
+        )
+    return out

@@ -212,6 +212,13 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
     fresh = [t for t in batch if t.times_served == 0] or list(batch)
     stale = [s for t in batch if (s := t.staleness(version)) is not None]
     turns = [_policy_turns(t) for t in fresh]
+    by_env: dict[str, list[float]] = {}
+    for t in fresh:
+        if t.env_ref:
+            by_env.setdefault(t.env_ref, []).append(t.reward or 0.0)
+    per_env = (
+        {f"reward/{env}": sum(r) / len(r) for env, r in by_env.items()} if len(by_env) > 1 else {}
+    )
     return {
         "reward": sum(t.reward or 0.0 for t in fresh) / len(fresh),
         "turns": sum(turns) / len(turns),
@@ -220,6 +227,7 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
         "staleness_max": float(max(stale, default=0)),
         "replayed": float(len(batch) - len([t for t in batch if t.times_served == 0])),
         "trajectories": float(len(batch)),  # a group can be short: an episode failed
+        **per_env,  # with an env mix: each env's mean reward
     }
 
 
