@@ -550,7 +550,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _teachers(self) -> RunConfig:
         if not self.teachers:
-            if "distill" in self.model_fields_set:
+            if self.distill != DistillConfig():  # a stored config spells the defaults out
                 raise ValueError("[distill] configures teachers: add [[teachers]] or remove it")
             return self
         names = [t.name for t in self.teachers]

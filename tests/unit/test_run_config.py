@@ -15,7 +15,6 @@ PYTHON_AGENT = {"type": "python", "entry_point": "agentflow.agents.whitebox:Whit
 # Planned options the schema names but nothing builds yet: (patch, loc). Each is refused
 # at parse time, through the API (422) and the CLI (exit 1) alike.
 NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
-    ({"teachers": [{"name": "t", "path": "/ckpt"}]}, ("teachers",)),
     ({"trainer": {"algorithm": "rtpo"}}, ("trainer", "algorithm")),
     ({"trainer": {"backend": "megatron"}}, ("trainer", "backend")),
     ({"weights": {"sync": "nccl"}}, ("weights", "sync")),
@@ -155,6 +154,10 @@ def test_options_that_would_do_nothing_are_refused(
         {"warm_start": {"enabled": True}},
         {"envs": [{"id": "agentflow/lookup-v0"}], "warm_start": {"enabled": True, "p_oracle": 1}},
         {"teachers": []},
+        {
+            "teachers": [{"name": "t", "path": "/ckpt", "envs": ["agentflow/guess-number-v0"]}],
+            "distill": {"estimator": "full", "rl": False, "max_resident": 2},
+        },
         {"agent": {**PYTHON_AGENT, "max_turns": 3}},
         {
             "envs": [{"id": "agentflow/guess-number-v0", "reward": "agentflow.plugins:call"}],
@@ -174,7 +177,7 @@ def test_options_that_work_are_accepted(patch: dict[str, Any]) -> None:
         ({"model": {"init": {"hidden": 100, "heads": 3}}}, ("model", "init")),
         ({"engine": {"type": "sglang", "urls": []}}, ("engine", "sglang", "urls")),
         ({"agent": {"type": "http"}}, ("agent",)),
-        ({"teachers": [{"name": "t"}]}, ("teachers",)),  # any entry: not available yet
+        ({"teachers": [{"name": "t"}]}, ("teachers", 0)),  # neither path nor url
         ({"trainer": {"lr": 0}}, ("trainer", "lr")),
         ({"name": "has space"}, ("name",)),
     ],

@@ -48,6 +48,8 @@ def random_policy(env_id: str, seed: int):
                     calls=[ToolCall(id="c", name="python", arguments={"code": code})]
                 )
             return TextAction(text=f"answer: {rng.randint(1, 3000)}")
+        if env_id.endswith(("digits-v0", "relay-v0")):
+            return TextAction(text="".join(rng.choice("0123456789") for _ in range(4)))
         if rng.random() < 0.5:
             key = f"{rng.choice(NAMES)}.{rng.choice(['friend', 'pet'])}"
             return TextAction(text=f"lookup({key})")
@@ -77,7 +79,7 @@ async def test_oracle_solves_every_episode_and_random_does_clearly_worse(env_id:
         # not know the number can do; its mean reward is about 0.78.
         assert min(oracle_rewards) >= 0.6 and oracle_mean > 0.7
     else:
-        assert oracle_mean == 1.0
+        assert oracle_mean == pytest.approx(1.0)  # the digit envs pay 1/questions a turn
     assert random_mean < 0.5 * oracle_mean, (oracle_mean, random_mean)
 
 
