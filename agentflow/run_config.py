@@ -309,10 +309,13 @@ class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = Field(
         default="torch", description="torch (CPU or CUDA); megatron is not available yet"
     )
-    algorithm: Literal["grpo", "ppo", "rtpo"] = Field(
+    algorithm: Literal["grpo", "ppo", "turn_grpo", "rtpo"] = Field(
         default="grpo",
-        description="grpo: advantages (r - group mean) / group std; ppo: r - group mean; "
-        "both with the decoupled PPO-clip loss. rtpo is not available yet",
+        description="grpo: advantages (r - group mean) / group std per trajectory; ppo: "
+        "r - group mean; turn_grpo: per policy turn, its return-to-go against the group's "
+        "turns at that position; rtpo: re-rolled continuations ([rtpo]) give each turn its "
+        "own advantage, updated deepest turn first (trainer.credit); all with the "
+        "decoupled PPO-clip loss",
     )
     batch_episodes: int = Field(default=64, ge=1, description="episodes per optimizer step")
     lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
@@ -354,13 +357,6 @@ class TrainerConfig(_Section):
     def _backend(cls, value: str) -> str:
         if value != "torch":
             raise _not_available(repr(value), MEGATRON)
-        return value
-
-    @field_validator("algorithm")
-    @classmethod
-    def _algorithm(cls, value: str) -> str:
-        if value == "rtpo":
-            raise _not_available(repr(value), RTPO)
         return value
 
     @field_validator("kl_coef")
@@ -509,6 +505,21 @@ class DistillConfig(_Section):
         return self
 
 
+class RtpoConfig(_Section):
+    """RTPO's re-rolls (`trainer.algorithm = "rtpo"`, `trainer.credit`)."""
+
+    branches: int = Field(
+        default=1, ge=1, le=16, description="continuations re-rolled from each chosen turn"
+    )
+    branch_turns: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="how many policy turns after the first each episode re-rolls from, "
+        "drawn at random; None: every one",
+    )
+
+
 class RunConfig(_Section):
     """A whole run. `POST /v1/runs` takes this document as JSON."""
 
@@ -525,6 +536,7 @@ class RunConfig(_Section):
         default_factory=list, description="on-policy distillation (docs/distillation.md)"
     )
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    rtpo: RtpoConfig = Field(default_factory=RtpoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
 
     @field_validator("name")
@@ -546,6 +558,38 @@ class RunConfig(_Section):
                 "model.init builds a model only for the local engine"
             )
         return value
+
+    @model_validator(mode="after")
+    def _rtpo(self) -> RunConfig:
+        if self.trainer.algorithm != "rtpo":
+            if self.rtpo != RtpoConfig():
+                raise ValueError("[rtpo] configures re-rolls: set trainer.algorithm = 'rtpo'")
+            return self
+        if self.agent.type != "whitebox":
+            raise ValueError(
+                "rtpo re-rolls continuations by replaying the env in process: "
+                f"agent.type must be 'whitebox', not {self.agent.type!r}"
+            )
+        if self.teachers:
+            raise ValueError("rtpo with teachers is not available yet: use grpo or turn_grpo")
+        if any(e.reward is not None for e in self.envs):
+            raise ValueError(
+                "rtpo needs each continuation's own return: an envs[].reward function "
+                "scores whole episodes"
+            )
+        return self
+
+    def samples_per_group(self) -> int:
+        """Trajectories one group yields: `group_size` episodes, and with rtpo each one's
+        re-rolls (`branches` per turn after the first, or per `branch_turns`): what
+        `trainer.batch_episodes` counts, re-rolls included."""
+        size = self.rollout.group_size
+        if self.trainer.algorithm != "rtpo":
+            return size
+        turns = self.agent.max_turns - 1
+        if self.rtpo.branch_turns is not None:
+            turns = min(turns, self.rtpo.branch_turns)
+        return size * (1 + self.rtpo.branches * turns)
 
     @model_validator(mode="after")
     def _teachers(self) -> RunConfig:

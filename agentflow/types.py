@@ -343,6 +343,7 @@ class Trajectory:
     lease_id: str | None = None  # the lease it was served under (acknowledge with it)
     loss_weight: float = 1.0  # < 1 when served past the staleness bound (`downweight`)
     env_ref: str = ""  # the episode's env (registry id or name): teachers are routed by it
+    turn_rewards: tuple[float, ...] = ()  # each turn's own reward (env turns: its step's)
 
     def staleness(self, current_version: int) -> int | None:
         """`current_version - min(token versions)` (docs/architecture.md, "Asynchrony and

@@ -122,7 +122,15 @@ def main() -> None:
         results = {}
         for name in ("base", "one", "three/1", "three/3"):
             done = subprocess.run(
-                [sys.executable, "-m", "bench.teacher_memory", "--scenario", name, "--teachers", str(teachers)],
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.teacher_memory",
+                    "--scenario",
+                    name,
+                    "--teachers",
+                    str(teachers),
+                ],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,

@@ -257,6 +257,7 @@ def _register_builtins() -> None:
         ("agentflow/reverse-digits-v0", "digits:reverse_digits", "digits:oracle"),
         ("agentflow/shift-digits-v0", "digits:shift_digits", "digits:oracle"),
         ("agentflow/digit-relay-v0", "digits:digit_relay", "digits:oracle"),
+        ("agentflow/vault-v0", "vault:VaultEnv", "vault:oracle"),
     )
     for env_id, entry_point, oracle_path in builtins:
         register(
@@ -291,5 +292,6 @@ BUILTIN_ENVS = (
     "agentflow/reverse-digits-v0",
     "agentflow/shift-digits-v0",
     "agentflow/digit-relay-v0",
+    "agentflow/vault-v0",
 )
 _register_builtins()

@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     from trainer.teachers import TeacherTargets
 
 
+# A trajectory's advantage: one number for every token, or one per token.
+Advantage = float | Sequence[float]
+
+
 class InvalidTrajectory(InvalidInput):
     """A trajectory the trainer cannot train on; the loop rejects it and goes on."""
 
@@ -88,7 +92,7 @@ class MicroBatch:
     target_valid: torch.Tensor  # bool: this position predicts a token of its trajectory
     loss_mask: torch.Tensor  # bool: ... and that token is a policy token
     behaviour_logprobs: torch.Tensor  # float32, of the target token
-    advantages: torch.Tensor  # float32, the trajectory's advantage on every position
+    advantages: torch.Tensor  # float32, the target token's advantage (a trajectory's, or its own)
     loss_weights: torch.Tensor  # float32, the trajectory's loss weight on every position
     spans: tuple[Span, ...]
     num_tokens: int  # real (unpadded) tokens
@@ -213,13 +217,14 @@ def _rows_packed(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def build_microbatches(
     trajectories: Sequence[Trajectory],
-    advantages: Sequence[float],
+    advantages: Sequence[Advantage],
     config: BatchingConfig | None = None,
     *,
     vocab_size: int | None = None,
     teacher: Sequence[TeacherTargets] | None = None,
 ) -> list[MicroBatch]:
-    """Lay `trajectories` (with one advantage each) out as micro-batches on the CPU;
+    """Lay `trajectories` out as micro-batches on the CPU. Each has one advantage: a
+    number for all its tokens, or one per token (turn-level credit, `trainer.credit`);
     `teacher`: their teacher scores, one per trajectory (distillation).
 
     Raises `InvalidTrajectory` for an unusable trajectory (filter with `split_valid`
@@ -231,8 +236,15 @@ def build_microbatches(
             f"{len(advantages)} advantages for {len(trajectories)} trajectories",
             field="advantages",
         )
-    if not all(math.isfinite(a) for a in advantages):
-        raise InvalidInput("advantages must be finite", field="advantages")
+    for t, a in zip(trajectories, advantages, strict=True):
+        values = [a] if isinstance(a, int | float) else list(a)
+        if not isinstance(a, int | float) and len(values) != len(t.token_ids):
+            raise InvalidInput(
+                f"{len(values)} per-token advantages for {len(t.token_ids)} tokens",
+                field="advantages",
+            )
+        if not all(math.isfinite(v) for v in values):
+            raise InvalidInput("advantages must be finite", field="advantages")
     if teacher is not None and len(teacher) != len(trajectories):
         raise InvalidInput(
             f"{len(teacher)} teacher scores for {len(trajectories)} trajectories", field="teacher"
@@ -300,7 +312,7 @@ def _with_teacher(mb: MicroBatch, teacher: Sequence[TeacherTargets] | None) -> M
 def _assemble(
     rows: list[list[int]],
     trajectories: Sequence[Trajectory],
-    advantages: Sequence[float],
+    advantages: Sequence[Advantage],
     config: BatchingConfig,
     *,
     packed: bool,
@@ -332,7 +344,11 @@ def _assemble(
             target_valid[r, start : end - 1] = True
             loss_mask[r, start : end - 1] = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
             behaviour[r, start : end - 1] = torch.tensor(t.logprobs[1:], dtype=torch.float32)
-            adv[r, start:end] = float(advantages[i])
+            advantage = advantages[i]
+            if isinstance(advantage, int | float):
+                adv[r, start:end] = float(advantage)
+            else:  # token k's advantage sits where token k is predicted, like its log-prob
+                adv[r, start : end - 1] = torch.tensor(list(advantage)[1:], dtype=torch.float32)
             weights[r, start:end] = loss_weight(t)
             segment[r, start:end] = i
             spans.append(Span(index=i, row=r, start=start, length=n))

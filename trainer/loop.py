@@ -19,14 +19,15 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agentflow.errors import AgentFlowError
 from agentflow.rollout.stream import TrajectoryStream
 from agentflow.types import Trajectory
 from trainer.algorithms import AlgorithmConfig, DistillLoss, group_advantages
 from trainer.backends.torch_backend import TorchPolicy, checkpoint_dir, latest_checkpoint
-from trainer.batching import split_valid
+from trainer.batching import Advantage, split_valid
+from trainer.credit import by_depth_deepest_first, reverse_tree, turn_level_advantages
 from trainer.teachers import TeacherError, TeacherManager
 from trainer.weights import WeightPublisher
 
@@ -55,6 +56,7 @@ class LoopSettings:
     max_tokens: int
     pull_timeout_s: float = 5.0
     distill: DistillLoss | None = None  # with teachers: the reverse-KL term
+    credit: Literal["trajectory", "turn", "rtpo"] = "trajectory"  # `trainer.credit`
     teacher_retry_s: tuple[float, float] = (2.0, 60.0)  # first and longest wait
 
 
@@ -98,35 +100,48 @@ async def train(
         waited = time.perf_counter() - started
         if not valid:
             continue
-        advantages = group_advantages(
-            [t.reward or 0.0 for t in valid],
-            [t.group_id for t in valid],
-            normalize_std=settings.normalize_std,
-        )
-        scores = None
-        if teachers is not None:
-            try:
-                scores = await teachers.score(valid)
-            except TeacherError as exc:
-                failures += 1
-                await on_error(state.step + 1, exc.message)
-                first, longest = settings.teacher_retry_s
-                await asyncio.sleep(min(longest, first * 2 ** (failures - 1)))
-                held = valid
-                continue
-            failures = 0
-        metrics = await asyncio.to_thread(
-            functools.partial(
-                policy.train_step,
-                valid,
-                advantages,
-                settings.algorithm,
-                teacher=scores,
-                distill=settings.distill if scores is not None else None,
+        if settings.credit == "rtpo":
+            metrics = await asyncio.to_thread(
+                rtpo_step, policy, valid, settings.algorithm, settings.normalize_std
             )
-        )
-        if scores is not None:
-            metrics.update(scores.metrics)
+        else:
+            advantages: list[Advantage]
+            if settings.credit == "turn":
+                advantages = list(
+                    turn_level_advantages(valid, normalize_std=settings.normalize_std)
+                )
+            else:
+                advantages = list(
+                    group_advantages(
+                        [t.reward or 0.0 for t in valid],
+                        [t.group_id for t in valid],
+                        normalize_std=settings.normalize_std,
+                    )
+                )
+            scores = None
+            if teachers is not None:
+                try:
+                    scores = await teachers.score(valid)
+                except TeacherError as exc:
+                    failures += 1
+                    await on_error(state.step + 1, exc.message)
+                    first, longest = settings.teacher_retry_s
+                    await asyncio.sleep(min(longest, first * 2 ** (failures - 1)))
+                    held = valid
+                    continue
+                failures = 0
+            metrics = await asyncio.to_thread(
+                functools.partial(
+                    policy.train_step,
+                    valid,
+                    advantages,
+                    settings.algorithm,
+                    teacher=scores,
+                    distill=settings.distill if scores is not None else None,
+                )
+            )
+            if scores is not None:
+                metrics.update(scores.metrics)
         state.step += 1
         state.version += 1
         sync = await publisher.publish(policy.state_dict(), state.version)
@@ -229,6 +244,39 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
         "trajectories": float(len(batch)),  # a group can be short: an episode failed
         **per_env,  # with an env mix: each env's mean reward
     }
+
+
+def rtpo_step(
+    policy: TorchPolicy,
+    batch: Sequence[Trajectory],
+    algorithm: AlgorithmConfig,
+    normalize_std: bool,
+) -> dict[str, float]:
+    """RTPO's update of one batch (`trainer.credit`): its tree's policy turns, each once
+    with its own advantage, one optimizer step per turn depth, deepest first."""
+    nodes = reverse_tree(batch, normalize_std=normalize_std)
+    steps = by_depth_deepest_first(nodes)
+    merged: dict[str, float] = {}
+    for level in steps:
+        metrics = policy.train_step(
+            [n.sample for n in level], [float(n.advantage or 0.0) for n in level], algorithm
+        )
+        for key, value in metrics.items():
+            merged[key] = merged.get(key, 0.0) + value
+    # Sums of the per-depth steps' counts and times; means of their other figures.
+    merged.pop("trajectories", None)  # turns, not trajectories: `rtpo_turns` below
+    summed = {"seconds", "tokens", "policy_tokens", "microbatches"}
+    summed |= {"optimizer_steps", "skipped_steps", "batching_seconds", "no_grad_pass_seconds"}
+    out = {k: v if k in summed else v / len(steps) for k, v in merged.items()}
+    branched = {n.sibling_key for n in nodes if n.depth > 0}
+    out.update(
+        rtpo_turns=float(len(nodes)),
+        rtpo_depths=float(len(steps)),
+        rtpo_branch_points=float(
+            sum(1 for key in branched if sum(1 for n in nodes if n.sibling_key == key) > 1)
+        ),
+    )
+    return out
 
 
 def _policy_turns(trajectory: Trajectory) -> int:

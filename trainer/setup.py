@@ -37,11 +37,13 @@ def build_policy(config: RunConfig) -> TorchPolicy:
 
 def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:
     trainer = config.trainer
-    grpo = trainer.algorithm == "grpo"
+    grpo = trainer.algorithm != "ppo"  # every GRPO form divides by the group's std
+    credit = {"turn_grpo": "turn", "rtpo": "rtpo"}.get(trainer.algorithm, "trajectory")
     return LoopSettings(
         steps=trainer.steps,
-        groups_per_batch=max(1, math.ceil(trainer.batch_episodes / config.rollout.group_size)),
-        group_size=config.rollout.group_size,
+        # `batch_episodes` counts trajectories, RTPO's re-rolls among them.
+        groups_per_batch=max(1, math.ceil(trainer.batch_episodes / config.samples_per_group())),
+        group_size=config.samples_per_group(),
         algorithm=AlgorithmConfig(
             temperature=config.agent.temperature,
             clip_eps=trainer.clip_eps,
@@ -57,6 +59,7 @@ def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:
         checkpoint_every=trainer.checkpoint_every,
         keep_checkpoints=trainer.keep_checkpoints,
         max_tokens=trainer.max_tokens_per_microbatch,
+        credit=credit,  # type: ignore[arg-type]
         distill=DistillLoss(
             coef=config.distill.coef, rl=config.distill.rl, estimator=config.distill.estimator
         )

@@ -9,6 +9,7 @@ outcome, so no agent kind can leave an episode half-finished.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -39,6 +40,7 @@ class EpisodeHandle:
     gateway_url: str = ""  # where black-box agents reach the gateway; "" when not served
     api_key: str = ""  # the per-episode key for black-box agents
     step_timeout_s: float | None = None  # the env's own step timeout, when registered with one
+    env_factory: Callable[[], Env] | None = None  # more of the same env (RTPO re-rolls)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class EpisodeOutcome:
     reward: float | None = None
     error: str | None = None
     leaf_turn_ids: tuple[uuid.UUID, ...] | None = None  # None: every leaf of the tree
+    leaf_rewards: dict[uuid.UUID, float] | None = None  # a leaf's own return (re-rolls)
     turns: int = 0  # env steps taken (white-box episodes)
     success: bool = False  # the env's `info["success"]` at the end (white-box episodes)
 

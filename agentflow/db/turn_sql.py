@@ -40,6 +40,8 @@ CONTEXT_COLUMNS = (
     "loss_mask",
 )
 TURN_COLUMNS = tuple(c.name for c in turns.columns)
+# A trajectory's path: its context and each turn's reward (returns-to-go, `trainer.credit`).
+TRAJECTORY_COLUMNS = (*CONTEXT_COLUMNS, "reward")
 
 
 def chunks(ids: Sequence[uuid.UUID]) -> Iterable[Sequence[uuid.UUID]]:
@@ -184,14 +186,17 @@ def _path_query(columns: Sequence[str]) -> Select[Any]:
     return select(path).order_by(path.c.leaf_id, path.c.depth)
 
 
-_PATH_QUERIES = {columns: _path_query(columns) for columns in (CONTEXT_COLUMNS, TURN_COLUMNS)}
+_PATH_QUERIES = {
+    columns: _path_query(columns) for columns in (CONTEXT_COLUMNS, TRAJECTORY_COLUMNS, TURN_COLUMNS)
+}
 
 
 async def paths(
     session: AsyncSession, turn_ids: Sequence[uuid.UUID], columns: Sequence[str]
 ) -> dict[uuid.UUID, list[Any]]:
-    """The root-first path of every turn in `turn_ids` (`columns` is `CONTEXT_COLUMNS` or
-    `TURN_COLUMNS`), one recursive query per chunk. Unknown turns are absent."""
+    """The root-first path of every turn in `turn_ids` (`columns` is `CONTEXT_COLUMNS`,
+    `TRAJECTORY_COLUMNS` or `TURN_COLUMNS`), one recursive query per chunk. Unknown turns
+    are absent."""
     query = _PATH_QUERIES[tuple(columns)]
     conn = await session.connection()  # Core, not the ORM: this is a hot read path
     found: dict[uuid.UUID, list[Any]] = defaultdict(list)

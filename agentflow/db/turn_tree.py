@@ -472,7 +472,7 @@ class TurnTree:
             if missing:
                 raise NotFound(f"trajectory {missing[0]} not found")
             leaves = turn_rows.ids_in_order([found[t].leaf_turn_id for t in unique])
-            paths = await turn_sql.paths(session, leaves, turn_sql.CONTEXT_COLUMNS)
+            paths = await turn_sql.paths(session, leaves, turn_sql.TRAJECTORY_COLUMNS)
         built: dict[uuid.UUID, TrajectoryView] = {}
         for tid in unique:
             row = found[tid]
@@ -490,6 +490,7 @@ class TurnTree:
                 created_at=turn_rows.aware(row.created_at),
                 lease_id=row.lease_id,
                 env_ref=row.env_ref or "",
+                turn_rewards=tuple(float(t.reward or 0.0) for t in paths[row.leaf_turn_id]),
                 **{f.name: getattr(context, f.name) for f in fields(Context)},
             )
         return [built[t] for t in trajectory_ids]

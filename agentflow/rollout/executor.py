@@ -131,7 +131,8 @@ class RunExecutor:
             self.gate = StalenessGate(
                 max_staleness=rollout.max_staleness,
                 batch_episodes=config.trainer.batch_episodes,
-                group_size=rollout.group_size,
+                # A group's trajectories, RTPO's re-rolls included: the trainer's unit.
+                group_size=config.samples_per_group(),
             )
         first = min(rollout.max_concurrency, max(rollout.min_concurrency, 64))
         self._slots = ElasticLimit(first if rollout.elastic else rollout.max_concurrency)
@@ -340,6 +341,7 @@ class RunExecutor:
                 gateway_url=self.gateway_url,
                 api_key=episode_key(episode_id, self.secret_key),
                 step_timeout_s=source.step_timeout_s,
+                env_factory=source.make,
             )
             return await self.agent.run(handle)
         finally:
@@ -413,6 +415,7 @@ class RunExecutor:
                     outcome.status,
                     outcome.reward,
                     leaf_turn_ids=outcome.leaf_turn_ids,
+                    leaf_rewards=outcome.leaf_rewards,
                     error=outcome.error,
                 )
             )

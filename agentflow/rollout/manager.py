@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -162,10 +163,14 @@ class RunManager:
 
     def _agent(self, config: RunConfig) -> Agent:
         if config.agent.type == "whitebox":
+            rtpo = config.trainer.algorithm == "rtpo"
             return WhiteBoxAgent(
                 park_after_s=config.rollout.park_after_s,
                 system_prompt=config.agent.system_prompt,
                 metrics=self.metrics,
+                branches=config.rtpo.branches if rtpo else 0,
+                branch_turns=config.rtpo.branch_turns,
+                rng=random.Random(config.seed),
             )
         agent = config.agent
         if agent.type in ("http", "container") and not self.settings.public_url:

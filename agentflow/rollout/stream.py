@@ -477,4 +477,5 @@ def trajectory_from_json(data: dict[str, Any]) -> Trajectory:
         lease_id=data.get("lease_id"),
         loss_weight=float(data.get("loss_weight", 1.0)),
         env_ref=str(data.get("env_ref") or ""),
+        turn_rewards=tuple(float(r) for r in data.get("turn_rewards") or ()),
     )

@@ -63,7 +63,7 @@ from trainer.algorithms import (
     policy_loss,
     teacher_metrics,
 )
-from trainer.batching import BatchingConfig, MicroBatch, build_microbatches
+from trainer.batching import Advantage, BatchingConfig, MicroBatch, build_microbatches
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -186,7 +186,7 @@ class TorchPolicy:
     def train_step(
         self,
         trajectories: Sequence[Trajectory],
-        advantages: Sequence[float],
+        advantages: Sequence[Advantage],
         algorithm: AlgorithmConfig | None = None,
         *,
         teacher: TeacherScores | None = None,

@@ -48,6 +48,8 @@ def random_policy(env_id: str, seed: int):
                     calls=[ToolCall(id="c", name="python", arguments={"code": code})]
                 )
             return TextAction(text=f"answer: {rng.randint(1, 3000)}")
+        if env_id == "agentflow/vault-v0":
+            return TextAction(text=str(rng.randrange(10)))
         if env_id.endswith(("digits-v0", "relay-v0")):
             return TextAction(text="".join(rng.choice("0123456789") for _ in range(4)))
         if rng.random() < 0.5:
@@ -78,6 +80,8 @@ async def test_oracle_solves_every_episode_and_random_does_clearly_worse(env_id:
         # Binary search finds every number within 5 guesses: the best any policy that does
         # not know the number can do; its mean reward is about 0.78.
         assert min(oracle_rewards) >= 0.6 and oracle_mean > 0.7
+    elif env_id == "agentflow/vault-v0":
+        assert oracle_mean == pytest.approx(1.4)  # the key (1) and two dials (0.2 each)
     else:
         assert oracle_mean == pytest.approx(1.0)  # the digit envs pay 1/questions a turn
     assert random_mean < 0.5 * oracle_mean, (oracle_mean, random_mean)
