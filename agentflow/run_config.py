@@ -5,7 +5,7 @@ Every field is documented and bounded so a malformed config fails before anythin
 naming the field. Backends are `type`-discriminated so each gets only its own options.
 
 Every option either works or is refused here, at parse time: the values the schema names
-for features not built yet (`[[teachers]]`, `rtpo`, `megatron`, `nccl`, `kl_coef > 0`)
+for features not built yet (`megatron`, `nccl`, `kl_coef > 0`)
 stay in the schema, so the docs show what is planned, but a validator refuses them with
 "... is not available yet" (docs/runs.md has the table); so does an option that the
 chosen kind would ignore (an agent option of another agent type, `weights.dir` without
@@ -41,8 +41,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 # The work that will make each refused option available (docs/runs.md has the table).
-TEACHER_MANAGER = "the Teacher Manager"
-RTPO = "RTPO"
 MEGATRON = "the Megatron backend"
 REFERENCE_MODEL = "the reference model"
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKILLS = ("reverse", "shift", "third")
+SKILLS = ("mirror", "shift", "third")
 
 
 def peak_rss_mb() -> float:
@@ -53,7 +53,7 @@ def scenario(name: str, teachers_dir: Path) -> dict[str, float]:
     student = TorchPolicy(build_model(ModelInit(layers=2, hidden=128, heads=4), seed=0))
     paths = {s: str(teachers_dir / s) for s in SKILLS}
     if name == "one":
-        configs = [TeacherConfig(name="all", path=paths["reverse"], tags=list(SKILLS))]
+        configs = [TeacherConfig(name="all", path=paths["mirror"], tags=list(SKILLS))]
         resident = 1
     else:
         configs = [TeacherConfig(name=s, path=paths[s], tags=[s]) for s in SKILLS]
@@ -70,7 +70,7 @@ def scenario(name: str, teachers_dir: Path) -> dict[str, float]:
     )
     batch = [
         relay_trajectory(
-            [f"reverse {i:03d}", f"right. shift {i:03d}", f"right. third {i:03d}"],
+            [f"mirror {i:03d}", f"right. shift {i:03d}", f"right. third {i:03d}"],
             [f"{i:03d}"[::-1], f"{i + 111:03d}", "0"],
         )
         for i in range(16)

@@ -254,8 +254,8 @@ def _register_builtins() -> None:
         ("agentflow/guess-number-v0", "guess_number:GuessNumberEnv", "guess_number:oracle"),
         ("agentflow/calc-tool-v0", "calc_tool:CalcToolEnv", "calc_tool:oracle"),
         ("agentflow/lookup-v0", "lookup:LookupEnv", "lookup:oracle"),
-        ("agentflow/reverse-digits-v0", "digits:reverse_digits", "digits:oracle"),
         ("agentflow/shift-digits-v0", "digits:shift_digits", "digits:oracle"),
+        ("agentflow/mirror-digits-v0", "digits:mirror_digits", "digits:oracle"),
         ("agentflow/digit-relay-v0", "digits:digit_relay", "digits:oracle"),
         ("agentflow/vault-v0", "vault:VaultEnv", "vault:oracle"),
     )
@@ -289,8 +289,8 @@ BUILTIN_ENVS = (
     "agentflow/guess-number-v0",
     "agentflow/calc-tool-v0",
     "agentflow/lookup-v0",
-    "agentflow/reverse-digits-v0",
     "agentflow/shift-digits-v0",
+    "agentflow/mirror-digits-v0",
     "agentflow/digit-relay-v0",
     "agentflow/vault-v0",
 )

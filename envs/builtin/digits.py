@@ -1,13 +1,18 @@
-"""Digit-string skills: `agentflow/reverse-digits-v0`, `agentflow/shift-digits-v0` and
+"""Digit-string skills: `agentflow/shift-digits-v0`, `agentflow/mirror-digits-v0` and
 `agentflow/digit-relay-v0`, whose turns alternate between the two.
 
 Each episode asks `questions` questions, one per turn, about a fresh string of `length`
-digits. A question is one line, ``reverse 4821`` or ``shift 4821``:
+digits. A question is one line, ``shift 4821`` or ``mirror 4821``:
 
-- ``reverse``: the digits in reverse order (``1284``);
-- ``shift``: every digit plus one, 9 wrapping to 0 (``5932``).
+- ``shift``: every digit plus one, 9 wrapping to 0 (``5932``);
+- ``mirror``: every digit subtracted from 9 (``5178``).
 
-The reverse and shift envs ask only their own skill; the relay env alternates, starting
+Both map each digit in place, which a two-layer byte-level model learns in minutes on a
+CPU (reversing the string, tried first, needs a different offset per output digit and
+kept a distilled student on a plateau for hundreds of steps). The two maps agree only
+on 4 and 9, so a turn answered with the other skill is almost always wrong.
+
+The shift and mirror envs ask only their own skill; the relay env alternates, starting
 with a random one, so every episode needs both skills, a turn at a time. They exist for
 multi-teacher distillation (`trainer.teachers`): a teacher trained on each skill env,
 and a student distilled on the relay, where routing each *turn* to the teacher of its
@@ -31,18 +36,18 @@ from typing import Any, Literal
 from envs.base import Action, Message, Observation, TextAction
 from envs.turn_env import Outcome, TurnEnv
 
-Skill = Literal["reverse", "shift"]
-SKILLS: tuple[Skill, ...] = ("reverse", "shift")
+Skill = Literal["shift", "mirror"]
+SKILLS: tuple[Skill, ...] = ("shift", "mirror")
 _DIGITS = re.compile(r"\d+")
-_QUESTION = re.compile(r"\b(reverse|shift) (\d+)\s*$")
+_QUESTION = re.compile(r"\b(shift|mirror) (\d+)\s*$")
 
 
 def solve(skill: str, digits: str) -> str:
     """The right answer to ``{skill} {digits}``."""
-    if skill == "reverse":
-        return digits[::-1]
     if skill == "shift":
         return "".join(str((int(d) + 1) % 10) for d in digits)
+    if skill == "mirror":
+        return "".join(str(9 - int(d)) for d in digits)
     raise ValueError(f"unknown skill {skill!r}")
 
 
@@ -55,12 +60,12 @@ class DigitsEnv(TurnEnv):
 
     def __init__(
         self,
-        skill: Literal["reverse", "shift", "relay"] = "reverse",
+        skill: Literal["shift", "mirror", "relay"] = "shift",
         questions: int = 3,
         length: int = 4,
     ) -> None:
-        if skill not in ("reverse", "shift", "relay"):
-            raise ValueError("skill must be 'reverse', 'shift' or 'relay'")
+        if skill not in ("shift", "mirror", "relay"):
+            raise ValueError("skill must be 'shift', 'mirror' or 'relay'")
         if not 1 <= questions <= 64:
             raise ValueError("questions must be in [1, 64]")
         if not 1 <= length <= 32:
@@ -68,8 +73,8 @@ class DigitsEnv(TurnEnv):
         super().__init__(max_turns=questions)
         self.skill = skill
         self.env_id = {
-            "reverse": "agentflow/reverse-digits-v0",
             "shift": "agentflow/shift-digits-v0",
+            "mirror": "agentflow/mirror-digits-v0",
             "relay": "agentflow/digit-relay-v0",
         }[skill]
         self.questions, self.length = questions, length
@@ -115,8 +120,8 @@ def question(text: str) -> tuple[Skill, str] | None:
     match = _QUESTION.search(text)
     if match is None:
         return None
-    skill = match.group(1)
-    return ("reverse" if skill == "reverse" else "shift"), match.group(2)
+    skill: Skill = "shift" if match.group(1) == "shift" else "mirror"
+    return skill, match.group(2)
 
 
 def _last_question(history: Sequence[Observation]) -> tuple[Skill, str] | None:
@@ -153,12 +158,12 @@ def noisy_oracle(
     return policy
 
 
-def reverse_digits(**kwargs: Any) -> DigitsEnv:
-    return DigitsEnv(skill="reverse", **kwargs)
-
-
 def shift_digits(**kwargs: Any) -> DigitsEnv:
     return DigitsEnv(skill="shift", **kwargs)
+
+
+def mirror_digits(**kwargs: Any) -> DigitsEnv:
+    return DigitsEnv(skill="mirror", **kwargs)
 
 
 def digit_relay(**kwargs: Any) -> DigitsEnv:

@@ -29,7 +29,7 @@ RELAY = "agentflow/digit-relay-v0"
 
 def _teachers(tmp_path: Path) -> list[dict[str, Any]]:
     out = []
-    for seed, name in enumerate(("reverse", "shift")):
+    for seed, name in enumerate(("mirror", "shift")):
         path = save_model(
             build_model(ModelInit.model_validate(INIT), seed=seed + 7), tmp_path / name
         )
@@ -73,7 +73,7 @@ def _check_teacher_metrics(run_dir: Path) -> None:
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
         # Both teachers scored turns of every step: the relay alternates skills.
-        for name in ("reverse", "shift"):
+        for name in ("mirror", "shift"):
             assert row[f"teacher/{name}/tokens"] > 0
             assert math.isfinite(row[f"teacher/{name}/kl"])  # sampled: k1, either sign
         assert row["teachers_resident_peak"] == 1.0  # max_resident defaults to 1

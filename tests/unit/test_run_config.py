@@ -15,7 +15,6 @@ PYTHON_AGENT = {"type": "python", "entry_point": "agentflow.agents.whitebox:Whit
 # Planned options the schema names but nothing builds yet: (patch, loc). Each is refused
 # at parse time, through the API (422) and the CLI (exit 1) alike.
 NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
-    ({"trainer": {"algorithm": "rtpo"}}, ("trainer", "algorithm")),
     ({"trainer": {"backend": "megatron"}}, ("trainer", "backend")),
     ({"weights": {"sync": "nccl"}}, ("weights", "sync")),
     ({"trainer": {"kl_coef": 0.01}}, ("trainer", "kl_coef")),

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[3]
 INIT = {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}
-ENV = "agentflow/reverse-digits-v0"
+ENV = "agentflow/mirror-digits-v0"
 
 
 @contextmanager
@@ -61,7 +61,7 @@ def _batch(n: int, seed: int = 0) -> list:  # type: ignore[type-arg]
     rng = random.Random(seed)
     return [
         relay_trajectory(
-            [f"reverse {rng.randint(100, 999)}", f"right. reverse {rng.randint(100, 999)}"],
+            [f"mirror {rng.randint(100, 999)}", f"right. mirror {rng.randint(100, 999)}"],
             [str(rng.randint(100, 999)), str(rng.randint(100, 999))],
             env_ref=ENV,
         )

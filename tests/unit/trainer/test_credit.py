@@ -117,3 +117,60 @@ def test_per_token_advantages_land_where_their_tokens_are_predicted() -> None:
     assert mb.policy_values(mb.advantages).tolist() == [5.0, 5.0, -2.0, -2.0]
     with pytest.raises(Exception, match="per-token advantages"):
         build_microbatches([t], [[1.0, 2.0]])
+
+
+VAULT = {"name": "v", "envs": [{"id": "agentflow/vault-v0"}], "agent": {"max_turns": 3}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "said"),
+    [
+        ({"rtpo": {"branches": 2}}, "set trainer.algorithm = 'rtpo'"),
+        (
+            {
+                "trainer": {"algorithm": "rtpo"},
+                "agent": {"type": "http", "url": "http://127.0.0.1:9/", "max_turns": 3},
+            },
+            "agent.type must be 'whitebox'",
+        ),
+        (
+            {
+                "trainer": {"algorithm": "rtpo"},
+                "teachers": [{"name": "t", "path": "/x", "envs": ["agentflow/vault-v0"]}],
+            },
+            "rtpo with teachers",
+        ),
+        (
+            {
+                "trainer": {"algorithm": "rtpo"},
+                "envs": [{"id": "agentflow/vault-v0", "reward": "agentflow.plugins:call"}],
+            },
+            "own return",
+        ),
+    ],
+)
+def test_rtpo_configs_that_cannot_work_are_refused(patch: dict[str, object], said: str) -> None:
+    from pydantic import ValidationError
+
+    from agentflow.run_config import RunConfig
+
+    with pytest.raises(ValidationError, match=said):
+        RunConfig.model_validate({**VAULT, **patch})
+
+
+def test_the_sample_budget_counts_re_rolls() -> None:
+    from agentflow.run_config import RunConfig
+
+    rtpo = RunConfig.model_validate(
+        {
+            **VAULT,
+            "rollout": {"group_size": 4},
+            "trainer": {"algorithm": "rtpo", "batch_episodes": 96},
+            "rtpo": {"branches": 2},
+        }
+    )
+    assert rtpo.samples_per_group() == 4 * (1 + 2 * 2)  # two turns after the first
+    limited = rtpo.model_copy(update={"rtpo": rtpo.rtpo.model_copy(update={"branch_turns": 1})})
+    assert limited.samples_per_group() == 4 * (1 + 2)
+    grpo = RunConfig.model_validate({**VAULT, "rollout": {"group_size": 12}})
+    assert grpo.samples_per_group() == 12

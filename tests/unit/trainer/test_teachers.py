@@ -77,7 +77,7 @@ def relay_trajectory(
 
 def _relay() -> Trajectory:
     return relay_trajectory(
-        ["reverse 123", "right. shift 456", "wrong. reverse 789"], ["321", "000", "987"]
+        ["mirror 123", "right. shift 456", "wrong. mirror 789"], ["321", "000", "987"]
     )
 
 
@@ -85,7 +85,7 @@ def _relay() -> Trajectory:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("teachers")
     out = {}
-    for seed, name in enumerate(("reverse", "shift", "third")):
+    for seed, name in enumerate(("mirror", "shift", "third")):
         out[name] = save_model(build_model(TINY, seed=seed + 10), root / name)
     return out
 
@@ -93,7 +93,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _teachers(paths: dict[str, Path], **extra: object) -> list[TeacherConfig]:
     return [
         TeacherConfig(
-            name="reverse", path=str(paths["reverse"]), envs=["agentflow/reverse-digits-v0"]
+            name="mirror", path=str(paths["mirror"]), envs=["agentflow/mirror-digits-v0"]
         ),
         TeacherConfig(name="shift", path=str(paths["shift"]), envs=["agentflow/shift-digits-v0"]),
     ]
@@ -111,17 +111,17 @@ def test_policy_turns_are_the_segments_with_sampled_tokens() -> None:
 def test_episode_routing_goes_by_env_and_draws_by_weight(checkpoints: dict[str, Path]) -> None:
     teachers = _teachers(checkpoints)
     router = Router(teachers, DistillConfig())
-    reverse = relay_trajectory(["reverse 123"], ["321"], env_ref="agentflow/reverse-digits-v0")
-    assert {r.teacher for r in router.route(reverse)} == {0}
+    mirror = relay_trajectory(["mirror 123"], ["321"], env_ref="agentflow/mirror-digits-v0")
+    assert {r.teacher for r in router.route(mirror)} == {0}
     assert router.route(_relay()) == []  # no teacher covers the relay env
     both = [
-        TeacherConfig(name="a", path=str(checkpoints["reverse"]), envs=["e"], weight=3.0),
+        TeacherConfig(name="a", path=str(checkpoints["mirror"]), envs=["e"], weight=3.0),
         TeacherConfig(name="b", path=str(checkpoints["shift"]), envs=["e"], weight=1.0),
     ]
     router = Router(both, DistillConfig())
     drawn = []
     for _ in range(400):
-        t = relay_trajectory(["reverse 1", "shift 2"], ["1", "3"], env_ref="e")
+        t = relay_trajectory(["mirror 1", "shift 2"], ["1", "3"], env_ref="e")
         chosen = {r.teacher for r in router.route(t)}
         assert len(chosen) == 1  # one teacher for the whole episode
         assert {r.teacher for r in router.route(t)} == chosen  # and the same every time
@@ -133,7 +133,7 @@ def test_turn_routing_follows_the_rule_and_falls_back_to_the_episode(
     checkpoints: dict[str, Path],
 ) -> None:
     teachers = [
-        TeacherConfig(name="rev", path=str(checkpoints["reverse"]), tags=["reverse"]),
+        TeacherConfig(name="rev", path=str(checkpoints["mirror"]), tags=["mirror"]),
         TeacherConfig(
             name="shift",
             path=str(checkpoints["shift"]),
@@ -149,8 +149,8 @@ def test_turn_routing_follows_the_rule_and_falls_back_to_the_episode(
         teachers, DistillConfig(route="turn", rule="agentflow.turn_rules:command_word"), decode
     )
     routes = router.route(_relay())
-    # reverse → the teacher tagged `reverse`; shift (no tag matches the name "shift"? it
-    # does: a teacher's name is one of its tags) → shift; reverse again → rev.
+    # mirror → the teacher tagged `mirror`; shift → the teacher named "shift" (a
+    # teacher's name is one of its tags); mirror again → rev.
     assert [r.teacher for r in routes] == [0, 1, 0]
     seen = [
         TurnContext("agentflow/digit-relay-v0", 1, "right. shift 456", ()),
@@ -159,7 +159,7 @@ def test_turn_routing_follows_the_rule_and_falls_back_to_the_episode(
     assert command_word(seen[0]) == "shift"
     assert command_word(seen[1]) is None
     # A turn whose tag no teacher has keeps the episode's teacher (shift covers the env).
-    odd = relay_trajectory(["reverse 1", "right. square 2"], ["1", "4"])
+    odd = relay_trajectory(["mirror 1", "right. square 2"], ["1", "4"])
     assert [r.teacher for r in router.route(odd)] == [0, 1]
 
 
@@ -178,13 +178,13 @@ def test_scores_are_the_teachers_own_log_probs_and_residency_is_bounded(
     )
     manager = TeacherManager(teachers, distill, decode=decode)
     batch = [
-        relay_trajectory(["reverse 12", "right. shift 34", "right. third 56"], ["21", "45", "9"])
+        relay_trajectory(["mirror 12", "right. shift 34", "right. third 56"], ["21", "45", "9"])
         for _ in range(3)
     ]
     scores = asyncio_run(manager.score(batch))
     t = batch[0]
     models = {name: build_model(TINY, seed=i + 10) for i, name in enumerate(checkpoints)}
-    for (start, end), name in zip(policy_turns(t), ("reverse", "shift", "third"), strict=True):
+    for (start, end), name in zip(policy_turns(t), ("mirror", "shift", "third"), strict=True):
         expected = score(models[name], list(t.token_ids[:end]), start=1)
         target = scores.targets[0]
         for k in range(start, end):
@@ -221,14 +221,14 @@ def test_the_reverse_kl_term_moves_the_student_to_its_teacher(
 ) -> None:
     """Distillation alone (no RL) on a fixed batch: the KL to the teacher falls."""
     torch.manual_seed(0)
-    teachers = [TeacherConfig(name="reverse", path=str(checkpoints["reverse"]), envs=["e"])]
+    teachers = [TeacherConfig(name="mirror", path=str(checkpoints["mirror"]), envs=["e"])]
     distill = DistillConfig(estimator=estimator, rl=False)  # type: ignore[arg-type]
     manager = TeacherManager(teachers, distill)
     student = TorchPolicy(build_model(TINY, seed=1), TorchBackendConfig(lr=3e-3))
     rng = random.Random(0)
     batch = [
         relay_trajectory(
-            [f"reverse {rng.randint(100, 999)}"], [str(rng.randint(100, 999))], env_ref="e"
+            [f"mirror {rng.randint(100, 999)}"], [str(rng.randint(100, 999))], env_ref="e"
         )
         for _ in range(8)
     ]
@@ -243,17 +243,17 @@ def test_the_reverse_kl_term_moves_the_student_to_its_teacher(
             teacher=scores,
             distill=loss,  # type: ignore[arg-type]
         )
-        kls.append(metrics["teacher/reverse/kl"])
-        assert metrics["teacher/reverse/tokens"] == sum(sum(t.loss_mask) for t in batch)
+        kls.append(metrics["teacher/mirror/kl"])
+        assert metrics["teacher/mirror/tokens"] == sum(sum(t.loss_mask) for t in batch)
     assert kls[-1] < 0.5 * kls[0]
     asyncio_run(manager.close())
 
 
 def test_a_student_equal_to_its_teacher_has_no_kl(checkpoints: dict[str, Path]) -> None:
-    teachers = [TeacherConfig(name="reverse", path=str(checkpoints["reverse"]), envs=["e"])]
+    teachers = [TeacherConfig(name="mirror", path=str(checkpoints["mirror"]), envs=["e"])]
     manager = TeacherManager(teachers, DistillConfig(estimator="full"))
     student = TorchPolicy(build_model(TINY, seed=10), TorchBackendConfig(lr=1e-9))
-    batch = [relay_trajectory(["reverse 123"], ["321"], env_ref="e")]
+    batch = [relay_trajectory(["mirror 123"], ["321"], env_ref="e")]
     scores = asyncio_run(manager.score(batch))
     metrics = student.train_step(
         batch,
@@ -262,7 +262,7 @@ def test_a_student_equal_to_its_teacher_has_no_kl(checkpoints: dict[str, Path]) 
         teacher=scores,
         distill=DistillLoss(estimator="full"),  # type: ignore[arg-type]
     )
-    assert metrics["teacher/reverse/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["teacher/mirror/kl"] == pytest.approx(0.0, abs=1e-5)
     asyncio_run(manager.close())
 
 
@@ -272,7 +272,7 @@ def test_a_student_equal_to_its_teacher_has_no_kl(checkpoints: dict[str, Path]) 
 def _run(teachers: list[dict[str, object]], **extra: object) -> dict[str, object]:
     return {
         "name": "d",
-        "envs": [{"id": "agentflow/reverse-digits-v0"}, {"id": "agentflow/shift-digits-v0"}],
+        "envs": [{"id": "agentflow/mirror-digits-v0"}, {"id": "agentflow/shift-digits-v0"}],
         "model": {"init": TINY.model_dump()},
         "teachers": teachers,
         **extra,
@@ -282,7 +282,7 @@ def _run(teachers: list[dict[str, object]], **extra: object) -> dict[str, object
 def test_a_missing_checkpoint_is_refused_naming_its_path(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "teacher"
     config = RunConfig.model_validate(
-        _run([{"name": "t", "path": str(missing), "envs": ["agentflow/reverse-digits-v0"]}])
+        _run([{"name": "t", "path": str(missing), "envs": ["agentflow/mirror-digits-v0"]}])
     )
     with pytest.raises(InvalidInput) as caught:
         check_teachers(config)
@@ -306,7 +306,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
                 {
                     "name": "big",
                     "path": str(tmp_path / "other"),
-                    "envs": ["agentflow/reverse-digits-v0"],
+                    "envs": ["agentflow/mirror-digits-v0"],
                 }
             ]
         )
@@ -320,12 +320,12 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
     ("teachers", "extra", "said"),
     [
         (
-            [{"name": "r", "url": "http://127.0.0.1:9/", "envs": ["agentflow/reverse-digits-v0"]}],
+            [{"name": "r", "url": "http://127.0.0.1:9/", "envs": ["agentflow/mirror-digits-v0"]}],
             {"distill": {"estimator": "full"}},
             "score over HTTP",
         ),
         (
-            [{"name": "r", "path": "/x", "envs": ["agentflow/reverse-digits-v0"]}] * 2,
+            [{"name": "r", "path": "/x", "envs": ["agentflow/mirror-digits-v0"]}] * 2,
             {},
             "unique",
         ),
@@ -338,7 +338,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
         ([{"name": "r", "path": "/x", "url": "http://127.0.0.1:9/"}], {}, "exactly one"),
         ([], {"distill": {"coef": 2.0}}, "add [[teachers]]"),
         (
-            [{"name": "r", "path": "/x", "envs": ["agentflow/reverse-digits-v0"]}],
+            [{"name": "r", "path": "/x", "envs": ["agentflow/mirror-digits-v0"]}],
             {"distill": {"route": "turn"}},
             "needs a rule",
         ),

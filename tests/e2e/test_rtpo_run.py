@@ -1,0 +1,122 @@
+"""RTPO end to end in both process forms: episodes are re-rolled from their later turns,
+the continuations are stored in the turn tree as siblings of the turns they replace,
+each is a trajectory with its own return, and the trainer updates turn depth by depth,
+deepest first (`rtpo_depths` steps per batch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.test_gateway_crash import gateway_process
+from tests.integration.test_serve import _free_port
+
+pytestmark = pytest.mark.integration
+
+STEPS = 2
+VAULT = "agentflow/vault-v0"
+
+
+def _config(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "name": "rtpo-test",
+        "seed": 1,
+        "model": {"init": {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}},
+        "engine": {"type": "local", "max_batch_size": 32},
+        "envs": [{"id": VAULT, "max_concurrency": 32}],
+        "agent": {"max_turns": 3, "max_new_tokens": 4},
+        "rollout": {"group_size": 2, "max_staleness": 1},
+        "trainer": {
+            "algorithm": "rtpo",
+            "batch_episodes": 12,  # 2 groups of 2 episodes x (1 + 2 re-rolls)
+            "steps": STEPS,
+            "checkpoint_every": 2,
+            "run_dir": str(tmp_path / "runs"),
+        },
+        "rtpo": {"branches": 1},
+    }
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentflow.cli", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _check_trees(database: Path) -> None:
+    with sqlite3.connect(database) as db:
+        episodes = db.execute(
+            "SELECT id FROM episodes WHERE status = 'completed' LIMIT 5"
+        ).fetchall()
+        assert episodes
+        for (episode,) in episodes:
+            turns = db.execute(
+                "SELECT id, parent_id, kind, reward FROM turns WHERE episode_id = ?", (episode,)
+            ).fetchall()
+            kind = {t[0]: t[2] for t in turns}
+            children = Counter(t[1] for t in turns if t[2] == "policy")
+            # Two env turns (after the key, after the first dial) have a re-rolled sibling.
+            branched = [p for p, n in children.items() if n == 2]
+            assert len(branched) == 2 and all(kind[p] == "env" for p in branched)
+            rows = db.execute(
+                "SELECT leaf_turn_id, reward FROM trajectories WHERE episode_id = ?", (episode,)
+            ).fetchall()
+            assert len(rows) == 3  # the episode and its two continuations
+            parent = {t[0]: t[1] for t in turns}
+            reward = {t[0]: t[3] or 0.0 for t in turns}
+            for leaf, trajectory_reward in rows:
+                path_reward, node = 0.0, leaf
+                while node is not None:
+                    path_reward += reward[node]
+                    node = parent[node]
+                assert trajectory_reward == pytest.approx(path_reward)  # its own return
+
+
+def _check_metrics(run_dir: Path) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["rtpo_depths"] == 3.0 and row["optimizer_steps"] == 3.0
+        assert row["rtpo_turns"] == 4 * 6  # per episode: 3 turns + 2 + 1 re-rolled
+        assert row["rtpo_branch_points"] == 4 * 2
+
+
+def test_the_embedded_trainer_runs_rtpo(tmp_path: Path) -> None:
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(_config(tmp_path)))
+    done = _cli("train", str(config))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "rtpo-test"
+    _check_metrics(run_dir)
+    _check_trees(run_dir / "agentflow.db")
+
+
+def test_the_split_trainer_runs_rtpo(sqlite_database: str, tmp_path: Path) -> None:
+    document = _config(tmp_path)
+    document["weights"] = {"sync": "disk", "dir": str(tmp_path / "weights")}
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(document))
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with gateway_process(sqlite_database, tmp_path, port):
+        created = httpx.post(f"{url}/v1/runs", json=document, timeout=60)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        done = _cli("trainer", str(config), "--gateway", url, "--run", run_id)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=30)
+    _check_metrics(tmp_path / "runs" / "rtpo-test")
+    _check_trees(Path(sqlite_database.split("///", 1)[1]))
