@@ -112,17 +112,18 @@ def _rewards(run_dir: Path) -> list[float]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _evaluate(config: Path, model: Path, episodes: int) -> dict[str, float]:
+def _evaluate(model: Path, episodes: int) -> dict[str, float]:
     """Mean return and the key's and dials' hit rates, from the model's own episodes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import asyncio
+
+    from transformers.utils import logging as hf_logging
 
     from agentflow.modeling import load_model
     from agentflow.tokenization import ByteTokenizer
     from agentflow.tokenization.chat import ByteChatTemplate
     from trainer.evaluation import evaluate
 
-    del config
+    hf_logging.disable_progress_bar()
     metrics = asyncio.run(
         evaluate(
             load_model(model),
@@ -149,7 +150,7 @@ def main() -> None:
     out.mkdir(parents=True)
 
     # One warm start for every run: made by the first config, then given as model.path.
-    init = 'init = { layers = 2, hidden = 128, heads = 4, max_context = 256 }'
+    init = "init = { layers = 2, hidden = 128, heads = 4, max_context = 256 }"
     warm = _config(out, "warm", "grpo", 0, 1, init)
     warm.write_text(warm.read_text() + WARM_START)
     _run("sft", str(warm), "--out", str(out / "sft"))
@@ -165,7 +166,7 @@ def main() -> None:
             run_dir = out / "runs" / name
             curves[algorithm].append(_rewards(run_dir))
             final = run_dir / "checkpoints" / f"step-{args.steps:08d}" / "model"
-            finals[algorithm].append(_evaluate(config, final, args.episodes))
+            finals[algorithm].append(_evaluate(final, args.episodes))
             print(f"{name}: final {finals[algorithm][-1]}", flush=True)
 
     print(f"\ntraining reward by step (mean of seeds {args.seeds}; rtpo's includes re-rolls)")

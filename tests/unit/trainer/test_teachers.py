@@ -5,10 +5,13 @@ config-time refusals (missing checkpoint, other vocabulary, remote + full)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
+from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ from trainer.teachers import (
     policy_turns,
 )
 
+T = TypeVar("T")
 TINY = ModelInit(layers=1, hidden=32, heads=2, max_context=256)
 TEMPLATE = ByteChatTemplate()
 TOKENIZER = ByteTokenizer()
@@ -49,7 +53,9 @@ def relay_trajectory(
         if i + 1 < len(questions):
             delta = TEMPLATE.render_delta([{"role": "user", "content": questions[i + 1]}])
             segments.append((0, list(delta.token_ids)))
-    ids, mask, starts = [], [], []
+    ids: list[int] = []
+    mask: list[int] = []
+    starts: list[int] = []
     for policy, tokens in segments:
         starts.append(len(ids))
         ids += tokens
@@ -119,7 +125,7 @@ def test_episode_routing_goes_by_env_and_draws_by_weight(checkpoints: dict[str, 
         TeacherConfig(name="b", path=str(checkpoints["shift"]), envs=["e"], weight=1.0),
     ]
     router = Router(both, DistillConfig())
-    drawn = []
+    drawn: list[int] = []
     for _ in range(400):
         t = relay_trajectory(["mirror 1", "shift 2"], ["1", "3"], env_ref="e")
         chosen = {r.teacher for r in router.route(t)}
@@ -142,8 +148,8 @@ def test_turn_routing_follows_the_rule_and_falls_back_to_the_episode(
     ]
     seen: list[TurnContext] = []
 
-    def decode(ids: object) -> str:
-        return TOKENIZER.decode(ids, skip_special=True)  # type: ignore[arg-type]
+    def decode(ids: Sequence[int]) -> str:
+        return TOKENIZER.decode(ids, skip_special=True)
 
     router = Router(
         teachers, DistillConfig(route="turn", rule="agentflow.turn_rules:command_word"), decode
@@ -170,8 +176,8 @@ def test_scores_are_the_teachers_own_log_probs_and_residency_is_bounded(
         TeacherConfig(name=name, path=str(path), tags=[name]) for name, path in checkpoints.items()
     ]
 
-    def decode(ids: object) -> str:
-        return TOKENIZER.decode(ids, skip_special=True)  # type: ignore[arg-type]
+    def decode(ids: Sequence[int]) -> str:
+        return TOKENIZER.decode(ids, skip_special=True)
 
     distill = DistillConfig(
         route="turn", rule="agentflow.turn_rules:command_word", estimator="full", max_resident=1
@@ -209,20 +215,18 @@ def test_scores_are_the_teachers_own_log_probs_and_residency_is_bounded(
     asyncio_run(manager.close())
 
 
-def asyncio_run(coro: object) -> object:
-    import asyncio
-
-    return asyncio.run(coro)  # type: ignore[arg-type]
+def asyncio_run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
 
 
 @pytest.mark.parametrize("estimator", ["full", "sampled"])
 def test_the_reverse_kl_term_moves_the_student_to_its_teacher(
-    estimator: str, checkpoints: dict[str, Path]
+    estimator: Literal["full", "sampled"], checkpoints: dict[str, Path]
 ) -> None:
     """Distillation alone (no RL) on a fixed batch: the KL to the teacher falls."""
     torch.manual_seed(0)
     teachers = [TeacherConfig(name="mirror", path=str(checkpoints["mirror"]), envs=["e"])]
-    distill = DistillConfig(estimator=estimator, rl=False)  # type: ignore[arg-type]
+    distill = DistillConfig(estimator=estimator, rl=False)
     manager = TeacherManager(teachers, distill)
     student = TorchPolicy(build_model(TINY, seed=1), TorchBackendConfig(lr=3e-3))
     rng = random.Random(0)
@@ -232,7 +236,7 @@ def test_the_reverse_kl_term_moves_the_student_to_its_teacher(
         )
         for _ in range(8)
     ]
-    loss = DistillLoss(rl=False, estimator=estimator)  # type: ignore[arg-type]
+    loss = DistillLoss(rl=False, estimator=estimator)
     kls = []
     for _ in range(30):
         scores = asyncio_run(manager.score(batch))
@@ -241,7 +245,7 @@ def test_the_reverse_kl_term_moves_the_student_to_its_teacher(
             [0.0] * len(batch),
             AlgorithmConfig(),
             teacher=scores,
-            distill=loss,  # type: ignore[arg-type]
+            distill=loss,
         )
         kls.append(metrics["teacher/mirror/kl"])
         assert metrics["teacher/mirror/tokens"] == sum(sum(t.loss_mask) for t in batch)
@@ -260,7 +264,7 @@ def test_a_student_equal_to_its_teacher_has_no_kl(checkpoints: dict[str, Path]) 
         [0.0],
         AlgorithmConfig(),
         teacher=scores,
-        distill=DistillLoss(estimator="full"),  # type: ignore[arg-type]
+        distill=DistillLoss(estimator="full"),
     )
     assert metrics["teacher/mirror/kl"] == pytest.approx(0.0, abs=1e-5)
     asyncio_run(manager.close())
