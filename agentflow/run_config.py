@@ -68,6 +68,15 @@ def _plugin(path: str, info: ValidationInfo) -> str:
     return path
 
 
+def _name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
+    return value
+
+
+# A run's or a teacher's name: it names directories, metrics and errors.
+Name = Annotated[str, AfterValidator(_name)]
+
 # "package.module:function", imported from an allowed module when the config is parsed.
 PluginPath = Annotated[str, AfterValidator(_plugin)]
 
@@ -425,7 +434,7 @@ class TeacherConfig(_Section):
     """One teacher of on-policy distillation (`trainer.teachers`): a local HF checkpoint
     loaded into the trainer, or an SGLang engine that scores over HTTP."""
 
-    name: str = Field(description="the teacher's name in metrics and errors")
+    name: Name = Field(description="the teacher's name in metrics and errors")
     path: str = Field(default="", description="local HF-format checkpoint directory")
     url: AnyHttpUrl | None = Field(
         default=None, description="an SGLang server (or router) serving the teacher"
@@ -442,13 +451,6 @@ class TeacherConfig(_Section):
         default=1.0, gt=0, description="share of episodes when several teachers cover an env"
     )
     timeout_s: float = Field(default=120.0, gt=0, le=3600, description="url: per-request timeout")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
-        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> TeacherConfig:
@@ -521,7 +523,7 @@ class RtpoConfig(_Section):
 class RunConfig(_Section):
     """A whole run. `POST /v1/runs` takes this document as JSON."""
 
-    name: str = Field(description="run name: letters, digits, `.`, `_`, `-`")
+    name: Name = Field(description="run name: letters, digits, `.`, `_`, `-`")
     seed: int = Field(default=0, ge=0)
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=LocalEngineConfig)
@@ -536,13 +538,6 @@ class RunConfig(_Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     rtpo: RtpoConfig = Field(default_factory=RtpoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-200 letters, digits, '.', '_' or '-'")
-        return value
 
     @field_validator("engine")
     @classmethod

@@ -14,7 +14,7 @@ Each run is `agentflow train` in its own process. Printed: the training reward b
 (mean over seeds; RTPO's includes its re-rolls), then each final model evaluated on 400
 sampled episodes (mean return, key right, dials right), and the ratios against GRPO.
 
-    python -m bench.rtpo [--seeds 0 1] [--steps 40] [--out bench-rtpo]
+    python -m bench.rtpo [--seeds 0 1] [--steps 40] [--variants ...] [--out bench-rtpo]
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-ALGORITHMS = ("grpo", "turn_grpo", "rtpo")
+# name: (trainer.algorithm, episodes per task, extra [trainer] lines)
+VARIANTS: dict[str, tuple[str, int, str]] = {
+    "grpo": ("grpo", 12, ""),
+    # RTPO takes one optimizer step per turn depth (3 here): GRPO with as many steps per
+    # batch tells more updates from better credit.
+    "grpo_3steps": ("grpo", 12, "minibatches = 3"),
+    "turn_grpo": ("turn_grpo", 12, ""),
+    "rtpo": ("rtpo", 4, ""),
+}
 ENV = "agentflow/vault-v0"
 
 BASE = """
@@ -60,6 +68,7 @@ steps = {steps}
 checkpoint_every = {steps}
 threads = 1
 run_dir = "{run_dir}"
+{trainer_extra}
 {extra}
 """
 
@@ -75,17 +84,19 @@ eval_episodes = 0
 """
 
 
-def _config(out: Path, name: str, algorithm: str, seed: int, steps: int, model: str) -> Path:
+def _config(out: Path, name: str, variant: str, seed: int, steps: int, model: str) -> Path:
+    algorithm, group_size, trainer_extra = VARIANTS[variant]
     rtpo = algorithm == "rtpo"
     text = BASE.format(
         name=name,
         seed=seed,
         model=model,
         env=ENV,
-        group_size=4 if rtpo else 12,
+        group_size=group_size,
         algorithm=algorithm,
         steps=steps,
         run_dir=out / "runs",
+        trainer_extra=trainer_extra,
         extra="[rtpo]\nbranches = 1\n" if rtpo else "",
     )
     path = out / f"{name}.toml"
@@ -144,7 +155,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--episodes", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("bench-rtpo"))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
+    algorithms: tuple[str, ...] = tuple(args.variants)
     out: Path = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -156,10 +169,10 @@ def main() -> None:
     _run("sft", str(warm), "--out", str(out / "sft"))
     model = f'path = "{out / "sft"}"'
 
-    curves: dict[str, list[list[float]]] = {a: [] for a in ALGORITHMS}
-    finals: dict[str, list[dict[str, float]]] = {a: [] for a in ALGORITHMS}
+    curves: dict[str, list[list[float]]] = {a: [] for a in algorithms}
+    finals: dict[str, list[dict[str, float]]] = {a: [] for a in algorithms}
     for seed in args.seeds:
-        for algorithm in ALGORITHMS:
+        for algorithm in algorithms:
             name = f"{algorithm}-seed{seed}"
             config = _config(out, name, algorithm, seed, args.steps, model)
             _run("train", str(config))
@@ -170,27 +183,24 @@ def main() -> None:
             print(f"{name}: final {finals[algorithm][-1]}", flush=True)
 
     print(f"\ntraining reward by step (mean of seeds {args.seeds}; rtpo's includes re-rolls)")
-    print(f"{'step':>5} " + " ".join(f"{a:>10}" for a in ALGORITHMS))
+    print(f"{'step':>5} " + " ".join(f"{a:>12}" for a in algorithms))
     for step in range(0, args.steps, max(1, args.steps // 10)):
-        cells = [sum(c[step] for c in curves[a]) / len(curves[a]) for a in ALGORITHMS]
-        print(f"{step + 1:>5} " + " ".join(f"{v:>10.3f}" for v in cells))
+        cells = [sum(c[step] for c in curves[a]) / len(curves[a]) for a in algorithms]
+        print(f"{step + 1:>5} " + " ".join(f"{v:>12.3f}" for v in cells))
     print(f"\nfinal models, {args.episodes} sampled episodes each (mean of seeds)")
-    print(f"{'':>10} {'return':>8} {'key':>8}")
+    print(f"{'':>12} {'return':>8} {'key':>8}")
     mean = {
         a: {k: sum(f[k] for f in finals[a]) / len(finals[a]) for k in ("return", "key")}
-        for a in ALGORITHMS
+        for a in algorithms
     }
-    for a in ALGORITHMS:
-        print(f"{a:>10} {mean[a]['return']:>8.3f} {mean[a]['key']:>8.3f}")
-    for a in ("turn_grpo", "rtpo"):
-        print(
-            f"{a} / grpo: return {mean[a]['return'] / max(mean['grpo']['return'], 1e-9):.3f}, "
-            f"key {mean[a]['key'] / max(mean['grpo']['key'], 1e-9):.3f}"
-        )
-    print(
-        f"rtpo / turn_grpo: return "
-        f"{mean['rtpo']['return'] / max(mean['turn_grpo']['return'], 1e-9):.3f}"
-    )
+    for a in algorithms:
+        print(f"{a:>12} {mean[a]['return']:>8.3f} {mean[a]['key']:>8.3f}")
+    if "rtpo" in mean:
+        for a in (a for a in algorithms if a != "rtpo"):
+            print(
+                f"rtpo / {a}: return {mean['rtpo']['return'] / max(mean[a]['return'], 1e-9):.3f}"
+                f", key {mean['rtpo']['key'] / max(mean[a]['key'], 1e-9):.3f}"
+            )
 
 
 if __name__ == "__main__":

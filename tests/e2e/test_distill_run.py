@@ -58,7 +58,7 @@ def _config(tmp_path: Path, **trainer: Any) -> dict[str, Any]:
     }
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "agentflow.cli", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -82,7 +82,7 @@ def _check_teacher_metrics(run_dir: Path) -> None:
 def test_the_embedded_trainer_distils(tmp_path: Path) -> None:
     config = tmp_path / "run.json"
     config.write_text(json.dumps(_config(tmp_path)))
-    done = _cli("train", str(config))
+    done = cli("train", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _check_teacher_metrics(tmp_path / "runs" / "distill-test")
 
@@ -92,15 +92,16 @@ def test_a_missing_teacher_checkpoint_stops_the_run_before_it_starts(tmp_path: P
     document["teachers"][1]["path"] = str(tmp_path / "gone")
     config = tmp_path / "run.json"
     config.write_text(json.dumps(document))
-    done = _cli("train", str(config))
+    done = cli("train", str(config))
     assert done.returncode != 0
     assert str(tmp_path / "gone") in done.stderr and "does not exist" in done.stderr
     assert not (tmp_path / "runs" / "distill-test").exists()  # nothing was started
 
 
-def test_the_split_trainer_distils(sqlite_database: str, tmp_path: Path) -> None:
-    document = _config(tmp_path)
-    document["weights"] = {"sync": "disk", "dir": str(tmp_path / "weights")}
+def train_split(document: dict[str, Any], sqlite_database: str, tmp_path: Path) -> None:
+    """A gateway executes the run of `document`; `agentflow trainer --gateway` trains all
+    of its `trainer.steps` by disk sync; then the run is stopped."""
+    document = {**document, "weights": {"sync": "disk", "dir": str(tmp_path / "weights")}}
     config = tmp_path / "run.json"
     config.write_text(json.dumps(document))
     port = _free_port()
@@ -109,8 +110,13 @@ def test_the_split_trainer_distils(sqlite_database: str, tmp_path: Path) -> None
         created = httpx.post(f"{url}/v1/runs", json=document, timeout=60)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]
-        done = _cli("trainer", str(config), "--gateway", url, "--run", run_id)
+        done = cli("trainer", str(config), "--gateway", url, "--run", run_id)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert httpx.get(f"{url}/v1/runs/{run_id}").json()["weight_version"] == STEPS
+        run = httpx.get(f"{url}/v1/runs/{run_id}").json()
+        assert run["weight_version"] == document["trainer"]["steps"]
         httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=30)
+
+
+def test_the_split_trainer_distils(sqlite_database: str, tmp_path: Path) -> None:
+    train_split(_config(tmp_path), sqlite_database, tmp_path)
     _check_teacher_metrics(tmp_path / "runs" / "distill-test")

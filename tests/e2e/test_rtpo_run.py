@@ -6,19 +6,14 @@ deepest first (`rtpo_depths` steps per batch)."""
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.integration.test_gateway_crash import gateway_process
-from tests.integration.test_serve import _free_port
+from tests.e2e.test_distill_run import cli, train_split
 
 pytestmark = pytest.mark.integration
 
@@ -44,16 +39,6 @@ def _config(tmp_path: Path) -> dict[str, Any]:
         },
         "rtpo": {"branches": 1},
     }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentflow.cli", *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _check_trees(database: Path) -> None:
@@ -97,7 +82,7 @@ def _check_metrics(run_dir: Path) -> None:
 def test_the_embedded_trainer_runs_rtpo(tmp_path: Path) -> None:
     config = tmp_path / "run.json"
     config.write_text(json.dumps(_config(tmp_path)))
-    done = _cli("train", str(config))
+    done = cli("train", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "rtpo-test"
     _check_metrics(run_dir)
@@ -105,18 +90,6 @@ def test_the_embedded_trainer_runs_rtpo(tmp_path: Path) -> None:
 
 
 def test_the_split_trainer_runs_rtpo(sqlite_database: str, tmp_path: Path) -> None:
-    document = _config(tmp_path)
-    document["weights"] = {"sync": "disk", "dir": str(tmp_path / "weights")}
-    config = tmp_path / "run.json"
-    config.write_text(json.dumps(document))
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with gateway_process(sqlite_database, tmp_path, port):
-        created = httpx.post(f"{url}/v1/runs", json=document, timeout=60)
-        assert created.status_code == 201, created.text
-        run_id = created.json()["id"]
-        done = _cli("trainer", str(config), "--gateway", url, "--run", run_id)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=30)
+    train_split(_config(tmp_path), sqlite_database, tmp_path)
     _check_metrics(tmp_path / "runs" / "rtpo-test")
     _check_trees(Path(sqlite_database.split("///", 1)[1]))
