@@ -24,7 +24,9 @@ whose teachers all fit loads nothing. Metrics per teacher: `teacher/NAME/tokens`
 `/kl`, `/seconds`, `/swaps` (loads after its first).
 
 A teacher that fails (an engine that does not answer) raises `TeacherUnavailable`
-naming it: the train loop fails that step, keeps its batch, and tries again.
+naming it: the train loop fails that step, keeps its batch, and tries again. A routing
+rule that raises leaves that turn with its episode's teacher (logged once, counted in
+`teacher_rule_errors`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -51,6 +54,8 @@ from agentflow.types import Trajectory
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 
 class TeacherError(AgentFlowError):
@@ -139,9 +144,11 @@ class Router:
     ) -> None:
         self.teachers = list(teachers)
         self.per_turn = distill.route == "turn"
+        self.rule_path = distill.rule
         self.rule: RoutingRule | None = (
             load_function(distill.rule, field=("distill", "rule")) if distill.rule else None
         )
+        self.rule_errors = 0  # turns whose rule raised (they keep the episode's teacher)
         self.decode = decode
         if self.per_turn and decode is None:
             raise InvalidInput("per-turn routing needs the tokenizer to decode", field="distill")
@@ -175,8 +182,16 @@ class Router:
                     observation=self.decode(trajectory.token_ids[previous_end:start]),
                     context_ids=tuple(trajectory.token_ids[:start]),
                 )
-                tag = self.rule(context)
-                if tag is not None and tag in self.by_tag:
+                try:
+                    tag = self.rule(context)
+                except Exception:  # noqa: BLE001 - a rule's bug costs its turn's routing
+                    self.rule_errors += 1
+                    if self.rule_errors == 1:
+                        log.exception(
+                            "routing rule %s raised; the episode's teacher scores", self.rule_path
+                        )
+                    tag = None
+                if isinstance(tag, str) and tag in self.by_tag:
                     chosen = self.by_tag[tag]
             previous_end = end
             if chosen is not None:
@@ -382,7 +397,10 @@ class TeacherManager:
         return TeacherScores(self.names, targets, self.full, self.metrics())
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {"teachers_resident_peak": float(self.residency.peak)}
+        out: dict[str, float] = {
+            "teachers_resident_peak": float(self.residency.peak),
+            "teacher_rule_errors": float(self.router.rule_errors),
+        }
         for i, teacher in enumerate(self.teachers):
             prefix = f"teacher/{teacher.name}"
             out[f"{prefix}/tokens_total"] = float(self.tokens[i])

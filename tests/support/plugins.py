@@ -81,3 +81,8 @@ async def record_event(event: EpisodeEvent) -> None:
 
 def failing_hook(event: EpisodeEvent) -> None:
     raise RuntimeError("the hook broke")
+
+
+def failing_rule(context: object) -> str | None:
+    """A per-turn routing rule (`distill.rule`) with a bug."""
+    raise RuntimeError("this rule always fails")

@@ -354,3 +354,18 @@ def test_bad_teacher_configs_are_refused_at_parse(
     with pytest.raises(ValidationError) as caught:
         RunConfig.model_validate(_run(teachers, **extra))
     assert said in str(caught.value)
+
+
+def test_a_rule_that_raises_leaves_the_turn_with_its_episode_teacher(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTFLOW_PLUGIN_MODULES", "tests.support")
+    teachers = [
+        TeacherConfig(
+            name="shift", path=str(checkpoints["shift"]), envs=["agentflow/digit-relay-v0"]
+        )
+    ]
+    distill = DistillConfig(route="turn", rule="tests.support.plugins:failing_rule")
+    router = Router(teachers, distill, lambda ids: TOKENIZER.decode(ids, skip_special=True))
+    assert [r.teacher for r in router.route(_relay())] == [0, 0, 0]
+    assert router.rule_errors == 3
