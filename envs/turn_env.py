@@ -14,6 +14,7 @@ import os
 import random
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from envs.base import (
     Observation,
     StepResult,
     StepTimeout,
+    TextAction,
 )
 
 
@@ -171,3 +173,26 @@ def last_integer(text: str) -> int | None:
     """The last integer written in ``text`` (``"I guess 8"`` -> 8), or None."""
     found = _INTEGER.findall(text)
     return int(found[-1]) if found else None
+
+
+TextPlayer = Callable[[Sequence[Observation]], TextAction]
+
+
+def noisy_text_player(
+    answer: Callable[[Sequence[Observation]], str],
+    guess: Callable[[random.Random, Sequence[Observation]], str],
+    p_oracle: float,
+    seed: int | None = None,
+) -> TextPlayer:
+    """A warm start's imperfect scripted player: `answer(history)` with probability
+    `p_oracle`, else `guess(rng, history)` (a well-formed wrong-or-lucky reply)."""
+    if not 0.0 <= p_oracle <= 1.0:
+        raise ValueError("p_oracle must be in [0, 1]")
+    rng = random.Random(seed)
+
+    def policy(history: Sequence[Observation]) -> TextAction:
+        if rng.random() < p_oracle:
+            return TextAction(text=answer(history))
+        return TextAction(text=guess(rng, history))
+
+    return policy

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from envs.base import Action, Message, Observation, TextAction
-from envs.turn_env import Outcome, TurnEnv
+from envs.turn_env import Outcome, TextPlayer, TurnEnv, noisy_text_player
 
 Skill = Literal["shift", "mirror"]
 SKILLS: tuple[Skill, ...] = ("shift", "mirror")
@@ -135,27 +135,22 @@ def _last_question(history: Sequence[Observation]) -> tuple[Skill, str] | None:
 
 def oracle(history: Sequence[Observation]) -> TextAction:
     """Answers the last question asked."""
+    return TextAction(text=_answer(history))
+
+
+def _answer(history: Sequence[Observation]) -> str:
     asked = _last_question(history)
-    return TextAction(text="0" if asked is None else solve(*asked))
+    return "0" if asked is None else solve(*asked)
 
 
-def noisy_oracle(
-    p_oracle: float, seed: int | None = None
-) -> Callable[[Sequence[Observation]], TextAction]:
+def _guess(rng: random.Random, history: Sequence[Observation]) -> str:
+    asked = _last_question(history)
+    return "".join(rng.choice("0123456789") for _ in (asked[1] if asked else "0"))
+
+
+def noisy_oracle(p_oracle: float, seed: int | None = None) -> TextPlayer:
     """The right answer with probability ``p_oracle``, else random digits of its length."""
-    if not 0.0 <= p_oracle <= 1.0:
-        raise ValueError("p_oracle must be in [0, 1]")
-    rng = random.Random(seed)
-
-    def policy(history: Sequence[Observation]) -> TextAction:
-        asked = _last_question(history)
-        if asked is None:
-            return TextAction(text="0")
-        if rng.random() < p_oracle:
-            return TextAction(text=solve(*asked))
-        return TextAction(text="".join(rng.choice("0123456789") for _ in asked[1]))
-
-    return policy
+    return noisy_text_player(_answer, _guess, p_oracle, seed)
 
 
 def shift_digits(**kwargs: Any) -> DigitsEnv:

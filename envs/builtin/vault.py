@@ -20,13 +20,12 @@ end for the right key; an episode's return is at most 1 + dials * dial_reward.
 
 from __future__ import annotations
 
-import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from envs.base import Action, Message, Observation, TextAction
-from envs.turn_env import Outcome, TurnEnv
+from envs.turn_env import Outcome, TextPlayer, TurnEnv, noisy_text_player
 
 _DIGIT = re.compile(r"\d")
 _VAULT = re.compile(r"vault (\d)\. key\?")
@@ -98,17 +97,6 @@ def oracle(history: Sequence[Observation]) -> TextAction:
     return TextAction(text=_answer(history))
 
 
-def noisy_oracle(
-    p_oracle: float, seed: int | None = None
-) -> Callable[[Sequence[Observation]], TextAction]:
+def noisy_oracle(p_oracle: float, seed: int | None = None) -> TextPlayer:
     """The oracle's reply with probability ``p_oracle``, else a random digit."""
-    if not 0.0 <= p_oracle <= 1.0:
-        raise ValueError("p_oracle must be in [0, 1]")
-    rng = random.Random(seed)
-
-    def policy(history: Sequence[Observation]) -> TextAction:
-        if rng.random() < p_oracle:
-            return TextAction(text=_answer(history))
-        return TextAction(text=str(rng.randrange(10)))
-
-    return policy
+    return noisy_text_player(_answer, lambda rng, _: str(rng.randrange(10)), p_oracle, seed)
