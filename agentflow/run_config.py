@@ -461,6 +461,11 @@ class TeacherConfig(_Section):
         return self
 
 
+# The built-in per-turn routing rule: the first word of a turn's observation's last
+# sentence names its skill (`agentflow.turn_rules`).
+DEFAULT_TURN_RULE = "agentflow.turn_rules:command_word"
+
+
 class DistillConfig(_Section):
     """How teachers' scores enter the loss (`trainer.teachers`, docs/distillation.md)."""
 
@@ -482,7 +487,8 @@ class DistillConfig(_Section):
     )
     rule: PluginPath | None = Field(
         default=None,
-        description="`pkg.mod:fn`, fn(TurnContext) -> tag or None: the per-turn routing rule",
+        description="`pkg.mod:fn`, fn(TurnContext) -> tag or None: the per-turn routing "
+        f"rule; route = 'turn' without one: {DEFAULT_TURN_RULE}",
     )
     max_resident: int = Field(
         default=1, ge=1, le=64, description="local teachers held in memory at once (LRU)"
@@ -498,11 +504,14 @@ class DistillConfig(_Section):
 
     @model_validator(mode="after")
     def _rule_for_turns(self) -> DistillConfig:
-        if self.route == "turn" and self.rule is None:
-            raise ValueError("route = 'turn' needs a rule (`pkg.mod:fn`)")
         if self.route == "episode" and self.rule is not None:
             raise ValueError("rule routes turns: set route = 'turn' to use it")
         return self
+
+    @property
+    def turn_rule(self) -> str:
+        """The per-turn routing rule in force (route = 'turn')."""
+        return self.rule or DEFAULT_TURN_RULE
 
 
 class RtpoConfig(_Section):

@@ -144,9 +144,9 @@ class Router:
     ) -> None:
         self.teachers = list(teachers)
         self.per_turn = distill.route == "turn"
-        self.rule_path = distill.rule
+        self.rule_path = distill.turn_rule
         self.rule: RoutingRule | None = (
-            load_function(distill.rule, field=("distill", "rule")) if distill.rule else None
+            load_function(self.rule_path, field=("distill", "rule")) if self.per_turn else None
         )
         self.rule_errors = 0  # turns whose rule raised (they keep the episode's teacher)
         self.decode = decode

@@ -98,9 +98,9 @@ def test_a_missing_teacher_checkpoint_stops_the_run_before_it_starts(tmp_path: P
     assert not (tmp_path / "runs" / "distill-test").exists()  # nothing was started
 
 
-def train_split(document: dict[str, Any], sqlite_database: str, tmp_path: Path) -> None:
+def train_split(document: dict[str, Any], sqlite_database: str, tmp_path: Path) -> str:
     """A gateway executes the run of `document`; `agentflow trainer --gateway` trains all
-    of its `trainer.steps` by disk sync; then the run is stopped."""
+    of its `trainer.steps` by disk sync; then the run is stopped. Returns the run's id."""
     document = {**document, "weights": {"sync": "disk", "dir": str(tmp_path / "weights")}}
     config = tmp_path / "run.json"
     config.write_text(json.dumps(document))
@@ -115,6 +115,7 @@ def train_split(document: dict[str, Any], sqlite_database: str, tmp_path: Path) 
         run = httpx.get(f"{url}/v1/runs/{run_id}").json()
         assert run["weight_version"] == document["trainer"]["steps"]
         httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=30)
+    return str(run_id)
 
 
 def test_the_split_trainer_distils(sqlite_database: str, tmp_path: Path) -> None:

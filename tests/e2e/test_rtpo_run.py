@@ -41,11 +41,15 @@ def _config(tmp_path: Path) -> dict[str, Any]:
     }
 
 
-def _check_trees(database: Path) -> None:
+def _check_trees(database: Path, run_id: str | None = None) -> None:
+    """The run's completed episodes (the database may hold other tests' runs)."""
     with sqlite3.connect(database) as db:
-        episodes = db.execute(
-            "SELECT id FROM episodes WHERE status = 'completed' LIMIT 5"
-        ).fetchall()
+        query = "SELECT id FROM episodes WHERE status = 'completed'"
+        args: tuple[str, ...] = ()
+        if run_id is not None:
+            query += " AND run_id = ?"
+            args = (run_id.replace("-", ""),)
+        episodes = db.execute(query + " LIMIT 5", args).fetchall()
         assert episodes
         for (episode,) in episodes:
             turns = db.execute(
@@ -90,6 +94,6 @@ def test_the_embedded_trainer_runs_rtpo(tmp_path: Path) -> None:
 
 
 def test_the_split_trainer_runs_rtpo(sqlite_database: str, tmp_path: Path) -> None:
-    train_split(_config(tmp_path), sqlite_database, tmp_path)
+    run_id = train_split(_config(tmp_path), sqlite_database, tmp_path)
     _check_metrics(tmp_path / "runs" / "rtpo-test")
-    _check_trees(Path(sqlite_database.split("///", 1)[1]))
+    _check_trees(Path(sqlite_database.split("///", 1)[1]), run_id)

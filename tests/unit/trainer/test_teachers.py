@@ -343,8 +343,8 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
         ([], {"distill": {"coef": 2.0}}, "add [[teachers]]"),
         (
             [{"name": "r", "path": "/x", "envs": ["agentflow/mirror-digits-v0"]}],
-            {"distill": {"route": "turn"}},
-            "needs a rule",
+            {"distill": {"rule": "agentflow.turn_rules:command_word"}},
+            "set route = 'turn'",
         ),
     ],
 )
@@ -369,3 +369,14 @@ def test_a_rule_that_raises_leaves_the_turn_with_its_episode_teacher(
     router = Router(teachers, distill, lambda ids: TOKENIZER.decode(ids, skip_special=True))
     assert [r.teacher for r in router.route(_relay())] == [0, 0, 0]
     assert router.rule_errors == 3
+
+
+def test_turn_routing_without_a_rule_uses_the_built_in_one(checkpoints: dict[str, Path]) -> None:
+    teachers = [
+        TeacherConfig(name="mirror", path=str(checkpoints["mirror"])),
+        TeacherConfig(name="shift", path=str(checkpoints["shift"])),
+    ]
+    distill = DistillConfig(route="turn")
+    assert distill.turn_rule == "agentflow.turn_rules:command_word"
+    router = Router(teachers, distill, lambda ids: TOKENIZER.decode(ids, skip_special=True))
+    assert [r.teacher for r in router.route(_relay())] == [0, 1, 0]
