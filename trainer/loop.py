@@ -16,6 +16,7 @@ import functools
 import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,13 +269,11 @@ def rtpo_step(
     summed = {"seconds", "tokens", "policy_tokens", "microbatches"}
     summed |= {"optimizer_steps", "skipped_steps", "batching_seconds", "no_grad_pass_seconds"}
     out = {k: v if k in summed else v / len(steps) for k, v in merged.items()}
-    branched = {n.sibling_key for n in nodes if n.depth > 0}
+    siblings = Counter(n.sibling_key for n in nodes if n.depth > 0)
     out.update(
         rtpo_turns=float(len(nodes)),
         rtpo_depths=float(len(steps)),
-        rtpo_branch_points=float(
-            sum(1 for key in branched if sum(1 for n in nodes if n.sibling_key == key) > 1)
-        ),
+        rtpo_branch_points=float(sum(1 for count in siblings.values() if count > 1)),
     )
     return out
 

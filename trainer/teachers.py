@@ -562,10 +562,9 @@ def check_teachers(config: RunConfig) -> None:
 
 def build_teachers(config: RunConfig, model: PreTrainedModel) -> TeacherManager | None:
     """The run's Teacher Manager (None without teachers), decoding with the student's
-    tokenizer."""
+    tokenizer. The entry points ran `check_teachers` before anything started."""
     if not config.teachers:
         return None
-    check_teachers(config)
     decode = None
     if config.distill.route == "turn":
         decode = _decoder(config, model)
