@@ -28,8 +28,10 @@ from agentflow.inference.base import (
     GenerateResult,
     PauseMode,
     SamplingParams,
+    TokenObserver,
     VersionSpan,
     WeightUpdate,
+    generate_observed,
 )
 from agentflow.tokenization.chat import ChatTemplate
 
@@ -83,21 +85,26 @@ class PolicyRuntime:
             self._drained = asyncio.Condition()
         return self._updating, self._update_lock, self._drained
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        """`engine.generate`, continued across weight updates (see the module docstring)."""
+    async def generate(
+        self, req: GenerateRequest, observer: TokenObserver | None = None
+    ) -> GenerateResult:
+        """`engine.generate`, continued across weight updates (see the module docstring);
+        `observer` sees the output tokens as they come, continuations included."""
         no_update, _, drained = self._sync()
         await no_update.wait()  # drain mode: a waiting update goes first
         self.load.change(+1)
         try:
-            return await self._generate_through_updates(req)
+            return await self._generate_through_updates(req, observer)
         finally:
             self.load.change(-1)
             async with drained:
                 drained.notify_all()
 
-    async def _generate_through_updates(self, req: GenerateRequest) -> GenerateResult:
+    async def _generate_through_updates(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult:
         interruptions = self._interruptions
-        result = await self.engine.generate(req)
+        result = await generate_observed(self.engine, req, observer)
         pieces = [result]
         budget = req.sampling.max_new_tokens
         while (
@@ -120,7 +127,7 @@ class PolicyRuntime:
                 }
             )
             self.resubmitted += 1
-            result = await self.engine.generate(continuation)
+            result = await generate_observed(self.engine, continuation, observer)
             pieces.append(result)
         return pieces[0] if len(pieces) == 1 else _stitch(pieces)
 
@@ -150,6 +157,9 @@ def _stitch(pieces: list[GenerateResult]) -> GenerateResult:
     output: list[int] = []
     logprobs: list[float] = []
     spans: list[VersionSpan] = []
+    tops: list[list[tuple[int, float]]] | None = (
+        [] if all(p.top_logprobs is not None for p in pieces) else None
+    )
     for piece in pieces:
         shift = len(output)
         for span in piece.weight_versions:
@@ -160,6 +170,8 @@ def _stitch(pieces: list[GenerateResult]) -> GenerateResult:
                 spans.append(VersionSpan(version=span.version, start=start, end=end))
         output += piece.output_ids
         logprobs += piece.logprobs
+        if tops is not None and piece.top_logprobs is not None:
+            tops += piece.top_logprobs
     last = pieces[-1]
     return last.model_copy(
         update={
@@ -168,6 +180,7 @@ def _stitch(pieces: list[GenerateResult]) -> GenerateResult:
             "weight_versions": spans,
             "prompt_tokens": pieces[0].prompt_tokens,
             "cached_tokens": pieces[0].cached_tokens,
+            "top_logprobs": tops,
         }
     )
 

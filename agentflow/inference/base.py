@@ -8,7 +8,7 @@ rest of the system never asks which one it holds. Nothing here imports torch.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -29,6 +29,9 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(default=128, ge=1)
     stop_token_ids: tuple[int, ...] = Field(default=(), description="end generation on these")
     seed: int | None = Field(default=None, description="per-request sampling seed")
+    top_logprobs: int = Field(
+        default=0, ge=0, le=20, description="also report this many most likely tokens per step"
+    )
 
 
 class SessionRef(BaseModel):
@@ -74,11 +77,18 @@ class GenerateResult(BaseModel):
     weight_versions: list[VersionSpan]
     prompt_tokens: int = Field(description="full context length the engine saw")
     cached_tokens: int = Field(default=0, description="context tokens served from KV cache")
+    top_logprobs: list[list[tuple[int, float]]] | None = Field(
+        default=None,
+        description="per output token, the most likely (token, log-prob) pairs, when "
+        "`sampling.top_logprobs` asked for them",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerateResult:
         if len(self.logprobs) != len(self.output_ids):
             raise ValueError("logprobs and output_ids differ in length")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
+            raise ValueError("top_logprobs and output_ids differ in length")
         covered = sum(s.end - s.start for s in self.weight_versions)
         if covered != len(self.output_ids):
             raise ValueError("weight_versions spans do not cover output_ids exactly")
@@ -90,6 +100,30 @@ class GenerateResult(BaseModel):
         for span in sorted(self.weight_versions, key=lambda s: s.start):
             out.extend([span.version] * (span.end - span.start))
         return out
+
+    def cut(self, length: int, finish_reason: FinishReason) -> GenerateResult:
+        """The first `length` output tokens only, ended for `finish_reason` (a stop
+        string found in the text): what came after was sampled but is not kept."""
+        spans = [
+            VersionSpan(version=s.version, start=s.start, end=min(s.end, length))
+            for s in self.weight_versions
+            if s.start < length
+        ]
+        tops = self.top_logprobs[:length] if self.top_logprobs is not None else None
+        return self.model_copy(
+            update={
+                "output_ids": self.output_ids[:length],
+                "logprobs": self.logprobs[:length],
+                "weight_versions": spans,
+                "finish_reason": finish_reason,
+                "top_logprobs": tops,
+            }
+        )
+
+
+# Called on the event loop with each run of new output tokens and their log-probs, as
+# the engine produces them. It must not block; to end the generation early, abort its rid.
+TokenObserver = Callable[[Sequence[int], Sequence[float]], None]
 
 
 class PauseMode(StrEnum):
@@ -161,3 +195,25 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that shows output tokens while it generates them."""
+
+    async def generate_observed(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult: ...
+
+
+async def generate_observed(
+    engine: Engine, req: GenerateRequest, observer: TokenObserver | None
+) -> GenerateResult:
+    """`engine.generate(req)`, showing `observer` the tokens as they come: as the engine
+    produces them where it streams (`StreamingEngine`), else all at once at the end."""
+    if observer is not None and isinstance(engine, StreamingEngine):
+        return await engine.generate_observed(req, observer)
+    result = await engine.generate(req)
+    if observer is not None and result.output_ids:
+        observer(result.output_ids, result.logprobs)
+    return result

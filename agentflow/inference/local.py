@@ -41,6 +41,7 @@ from agentflow.inference.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    TokenObserver,
     VersionSpan,
     WeightUpdate,
     next_weight_version,
@@ -163,11 +164,18 @@ class LocalEngine:
     # -- requests -----------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return await self.generate_observed(req, None)
+
+    async def generate_observed(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult:
+        """`generate`, calling `observer` with each step's new tokens (`StreamingEngine`)."""
         if req.image_data:
             raise EngineRequestError("this engine does not accept images (a text-only model)")
         await self.start()
         assert self._wake is not None
         r = self._admit(req)
+        r.observer = observer
         self._by_rid[req.rid] = r
         self._sched.waiting.append(r)
         self._runner.interrupt.set()  # end a decode burst so it joins at the next step
@@ -238,6 +246,7 @@ class LocalEngine:
             load_rid=load_rid,
             load_max=len(prefix),
             generator=generator,
+            tops=[] if sp.top_logprobs else None,
         )
 
     async def abort(self, rid: str) -> None:
@@ -405,5 +414,6 @@ class LocalEngine:
                     weight_versions=[VersionSpan(version=v, start=s, end=e) for v, s, e in r.spans],
                     prompt_tokens=r.prompt_len,
                     cached_tokens=r.cached_tokens or 0,
+                    top_logprobs=r.tops,
                 )
             )

@@ -28,7 +28,7 @@ from agentflow.inference import attention
 from agentflow.inference.fast_decode import LlamaDecodeStep
 from agentflow.inference.fast_decode import supports as fast_decode_supports
 from agentflow.inference.kv_cache import SessionKVStore, SlotKV
-from agentflow.inference.sampling import sample
+from agentflow.inference.sampling import sample_with_tops
 from agentflow.inference.step_plan import Join, StepOutput, StepPlan
 
 
@@ -86,8 +86,10 @@ class ModelRunner:
                 logits.append(join_logits)
             if not logits:
                 return StepOutput([], [], [])
-            tokens, logprobs = sample(torch.cat(logits), plan.sampling, self.shared_generator)
-            out = StepOutput([tokens], [logprobs], cached)
+            tokens, logprobs, tops = sample_with_tops(
+                torch.cat(logits), plan.sampling, self.shared_generator
+            )
+            out = StepOutput([tokens], [logprobs], cached, [tops])
             positions = [p + 1 for p in plan.decode_pos] + [len(j.context) for j in plan.joins]
             for step in range(1, plan.burst):
                 if self.interrupt.is_set() or any(
@@ -95,9 +97,12 @@ class ModelRunner:
                 ):
                     break
                 logits_n = self._decode(tokens, positions)
-                tokens, logprobs = sample(logits_n, plan.sampling, self.shared_generator)
+                tokens, logprobs, tops = sample_with_tops(
+                    logits_n, plan.sampling, self.shared_generator
+                )
                 out.tokens.append(tokens)
                 out.logprobs.append(logprobs)
+                out.tops.append(tops)
                 positions = [p + 1 for p in positions]
             return out
 

@@ -12,11 +12,22 @@ import torch
 
 from agentflow.inference.step_plan import RowSampling
 
+TopLogprobs = list[tuple[int, float]]
+
 
 def sample(
     logits: torch.Tensor, rows: list[RowSampling], shared: torch.Generator
 ) -> tuple[list[int], list[float]]:
     """Tokens and their log-probs for `logits` `[n, vocab]`, one `RowSampling` per row."""
+    tokens, logprobs, _ = sample_with_tops(logits, rows, shared)
+    return tokens, logprobs
+
+
+def sample_with_tops(
+    logits: torch.Tensor, rows: list[RowSampling], shared: torch.Generator
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """`sample`, and per row the `top_logprobs` most likely tokens with their log-probs
+    (of the same distribution as the reported log-prob), or None where none were asked."""
     n = logits.shape[0]
     logits = logits.float()
     device = logits.device
@@ -59,7 +70,17 @@ def sample(
     # Greedy rows report the unscaled log_softmax, which `logp` already is for them (T := 1).
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     assert chosen.shape[0] == n
-    return tokens.tolist(), chosen.tolist()
+    return tokens.tolist(), chosen.tolist(), _tops(logp, rows)
+
+
+def _tops(logp: torch.Tensor, rows: list[RowSampling]) -> list[TopLogprobs | None]:
+    k = max((r.top_logprobs for r in rows), default=0)
+    if k <= 0:
+        return [None] * len(rows)
+    values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
+    rows_of = zip(ids.tolist(), values.tolist(), strict=True)
+    pairs = [list(zip(i, v, strict=True)) for i, v in rows_of]
+    return [p[: r.top_logprobs] or None for p, r in zip(pairs, rows, strict=True)]
 
 
 def _uniforms(rows: list[RowSampling], shared: torch.Generator) -> torch.Tensor:

@@ -10,13 +10,21 @@ touches tensors except the per-request seed generator.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentflow.inference.base import FinishReason, GenerateRequest, GenerateResult
+from agentflow.inference.base import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    TokenObserver,
+)
 from agentflow.inference.step_plan import Join, RowSampling, StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -39,12 +47,18 @@ class LiveRequest:
     kv_len: int = 0  # context tokens whose KV sits in the slot
     done: bool = False
     save_kv: bool = False  # keep this row's KV for child requests when it leaves
+    observer: TokenObserver | None = None  # shown each step's new tokens
+    tops: list[list[tuple[int, float]]] | None = None  # per output token, when asked
 
     @property
     def rid(self) -> str:
         return self.req.rid
 
-    def add_token(self, token: int, logprob: float, version: int) -> None:
+    def add_token(
+        self, token: int, logprob: float, version: int, top: list[tuple[int, float]] | None = None
+    ) -> None:
+        if self.tops is not None:
+            self.tops.append(top or [])
         self.context.append(token)
         self.output.append(token)
         self.logprobs.append(logprob)
@@ -140,7 +154,12 @@ class BatchScheduler:
     def _add_row(self, plan: StepPlan, r: LiveRequest) -> None:
         sp = r.req.sampling
         plan.sampling.append(
-            RowSampling(temperature=sp.temperature, top_p=sp.top_p, generator=r.generator)
+            RowSampling(
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                generator=r.generator,
+                top_logprobs=sp.top_logprobs,
+            )
         )
         plan.limits.append(
             min(sp.max_new_tokens - len(r.output), self.max_context - len(r.context))
@@ -159,17 +178,30 @@ class BatchScheduler:
             if r.cached_tokens is None:
                 r.cached_tokens = cached
         stepped = [*self.rows, *joined]
-        for tokens, logprobs in zip(out.tokens, out.logprobs, strict=True):
-            for r, tok, lp in zip(stepped, tokens, logprobs, strict=True):
+        before = [len(r.output) for r in stepped]
+        tops = out.tops or [[None] * len(stepped)] * len(out.tokens)
+        for step, (tokens, logprobs) in enumerate(zip(out.tokens, out.logprobs, strict=True)):
+            for i, (r, tok, lp) in enumerate(zip(stepped, tokens, logprobs, strict=True)):
                 # A burst ends at the first finish, so a finished row never gets more tokens.
                 assert not r.done or r.future.done()
                 if r.done:
                     continue
                 r.kv_len = len(r.context)
-                r.add_token(tok, lp, version)
+                r.add_token(tok, lp, version, tops[step][i])
                 sp = r.req.sampling
                 if tok in sp.stop_token_ids:
                     finish(r, "stop")
                 elif len(r.output) >= sp.max_new_tokens or len(r.context) >= self.max_context:
                     finish(r, "length")
+        for r, n in zip(stepped, before, strict=True):
+            if r.observer is not None and len(r.output) > n:
+                _show(r.observer, r.output[n:], r.logprobs[n:])
         self.rows = stepped
+
+
+def _show(observer: TokenObserver, ids: list[int], logprobs: list[float]) -> None:
+    """An observer's failure is its caller's problem, never the batch's."""
+    try:
+        observer(ids, logprobs)
+    except Exception:
+        log.exception("a token observer failed")

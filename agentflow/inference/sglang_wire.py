@@ -103,6 +103,7 @@ class GenerateBody(_Body):
     rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
+    top_logprobs_num: int | None = Field(default=None, ge=0)
     session_params: SessionParamsBody | None = None
     # One entry per image placeholder in `input_ids`, in order: a data URL, a URL or a
     # path the server can read, or raw base64 (this client sends data URLs).
@@ -118,7 +119,6 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "input_embeds": None,
     "video_data": None,
     "audio_data": None,
-    "top_logprobs_num": None,
     "token_ids_logprob": None,
     "stream": False,
     "return_hidden_states": False,
@@ -246,7 +246,11 @@ def generate_body(req: GenerateRequest) -> dict[str, Any]:
         return_logprob=True,
         logprob_start_len=-1,
         rid=req.rid,
-        **_given(session_params=session, image_data=list(req.image_data) or None),
+        **_given(
+            session_params=session,
+            image_data=list(req.image_data) or None,
+            top_logprobs_num=s.top_logprobs or None,
+        ),
     )
     return _dump(body)
 
@@ -322,6 +326,21 @@ def _logprobs(meta: dict[str, Any], output_ids: Sequence[int]) -> list[float]:
     return out
 
 
+def _top_logprobs(meta: dict[str, Any], n_out: int) -> list[list[tuple[int, float]]] | None:
+    """`output_top_logprobs`: per output token, entries `[logprob, token_id, text-or-null]`."""
+    raw = meta.get("output_top_logprobs")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != n_out:
+        raise EngineError(f"output_top_logprobs has no entry per output token: {str(raw)[:200]}")
+    out = []
+    for i, step in enumerate(raw):
+        if not isinstance(step, list) or not all(isinstance(e, list) and len(e) >= 2 for e in step):
+            raise EngineError(f"output_top_logprobs[{i}]={step!r} is malformed")
+        out.append([(int(e[1]), float(e[0])) for e in step])
+    return out
+
+
 def parse_generate(answer: Any, rid: str) -> GenerateResult:
     """Turn one `/generate` answer `{output_ids, meta_info}` into a `GenerateResult`."""
     if not isinstance(answer, dict) or "meta_info" not in answer or "output_ids" not in answer:
@@ -339,6 +358,7 @@ def parse_generate(answer: Any, rid: str) -> GenerateResult:
             weight_versions=_spans(meta, len(output_ids)),
             prompt_tokens=int(meta["prompt_tokens"]),
             cached_tokens=int(meta.get("cached_tokens") or 0),
+            top_logprobs=_top_logprobs(meta, len(output_ids)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise EngineError(f"malformed /generate answer: {exc}") from exc
@@ -376,6 +396,11 @@ def stitch(first: GenerateResult, more: GenerateResult) -> GenerateResult:
         weight_versions=merge_spans(spans),
         prompt_tokens=first.prompt_tokens,
         cached_tokens=first.cached_tokens,
+        top_logprobs=(
+            first.top_logprobs + more.top_logprobs
+            if first.top_logprobs is not None and more.top_logprobs is not None
+            else None
+        ),
     )
 
 

@@ -15,6 +15,7 @@ class RowSampling:
     temperature: float
     top_p: float
     generator: Any  # a torch.Generator for a seeded request; None: the shared one
+    top_logprobs: int = 0  # report this many most likely tokens per step
 
 
 @dataclass
@@ -46,3 +47,5 @@ class StepOutput:
     tokens: list[list[int]]  # per decode step, one token per row
     logprobs: list[list[float]]
     cached: list[int]  # per join: context tokens whose KV came from the store
+    # per decode step, per row: the most likely (token, log-prob) pairs, or None
+    tops: list[list[list[tuple[int, float]] | None]] = field(default_factory=list)

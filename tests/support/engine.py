@@ -37,8 +37,10 @@ from agentflow.inference.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    TokenObserver,
     VersionSpan,
     WeightUpdate,
+    generate_observed,
     next_weight_version,
 )
 from agentflow.tokenization.bytes import ByteTokenizer
@@ -254,10 +256,16 @@ class RecordingEngine(_Record):
         self.inner = inner
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return await self.generate_observed(req, None)
+
+    async def generate_observed(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult:
+        """Streams where the inner engine does (`StreamingEngine`)."""
         parent: list[int] = []
         if req.session is not None and req.session.parent_rid is not None:
             parent = self.seen(req.session.parent_rid)[: req.session.offset]
-        result = await self.inner.generate(req)
+        result = await generate_observed(self.inner, req, observer)
         self._record(req.rid, parent + list(req.input_ids), result)
         return result
 

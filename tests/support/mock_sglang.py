@@ -189,6 +189,10 @@ def _meta(
         meta["output_token_logprobs"] = [
             [lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
         ]
+    if result.top_logprobs is not None:
+        meta["output_top_logprobs"] = [
+            [[lp, tok, None] for tok, lp in step] for step in result.top_logprobs
+        ]
     return meta
 
 
@@ -209,6 +213,7 @@ def _to_request(body: wire.GenerateBody, routing_key: str | None) -> GenerateReq
             max_new_tokens=sp.max_new_tokens,
             stop_token_ids=tuple(sp.stop_token_ids or ()),
             seed=sp.sampling_seed,
+            top_logprobs=body.top_logprobs_num or 0,
         ),
         rid=body.rid or uuid.uuid4().hex,
         session=session,

@@ -33,6 +33,8 @@ from agentflow.tokenization.tool_calls import ToolCall
 from agentflow.types import TurnNode
 
 Message = Mapping[str, Any]
+# A policy turn's `finish_reason` when a stop string ended it: its text is the answer.
+STOP_STRING = "stop_string"
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,10 @@ def _answered_by(
     for child in children:
         if child.kind != "policy":
             continue
-        views = (assistant_view(template, child.token_ids, parse_calls=p) for p in (True, False))
+        if child.finish_reason == STOP_STRING:  # the answer was the text before the stop
+            views: Any = [AssistantView(content=child.text or "")]
+        else:
+            views = (assistant_view(template, child.token_ids, parse_calls=p == 1) for p in (1, 0))
         if any(_says(message, v) for v in views):
             if tool_call_id(child.id.hex, 0) in ids:
                 return child

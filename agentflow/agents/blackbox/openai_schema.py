@@ -1,12 +1,18 @@
 """OpenAI chat-completion requests, validated, and the answers built from engine output.
 
-Only what the gateway can honour exactly is accepted: text content (strings or `text`
-parts), images in user messages as `image_url` parts holding base64 data URLs (PNG or
-JPEG; the gateway never fetches a network URL), function tools, `n = 1`, no stop strings
-(stopping is on the chat template's end-of-turn tokens). An image is rendered as the
-template's image placeholder where it stood, and its bytes travel beside the tokens.
-Unknown top-level fields that do not change the sampled tokens
-(`user`, `metadata`, `parallel_tool_calls`, ...) are ignored, so unchanged agents work.
+Every field is honoured or refused with a 400 naming it, never silently dropped, where it
+would change what is sampled. Accepted: text content (strings or `text` parts), images in
+user messages as `image_url` parts holding base64 data URLs (PNG or JPEG; the gateway
+never fetches a network URL), function tools with `tool_choice` `auto` or `none`, `n = 1`,
+up to `MAX_STOP` stop strings (the answer ends where one first appears; the tokens that
+made it are recorded, the text before it is returned), `logprobs` with up to 20
+`top_logprobs`, `seed`. Refused: `tool_choice` `required` or a named function and a
+`response_format` other than text (both need constrained decoding, which changes the
+distribution the recorded log-probs must come from), non-zero `frequency_penalty` /
+`presence_penalty`, a `logit_bias`. An image is rendered as the template's image
+placeholder where it stood, and its bytes travel beside the tokens. Unknown top-level
+fields that do not change the sampled tokens (`user`, `metadata`, `parallel_tool_calls`,
+`store`, ...) are ignored, so unchanged agents work.
 
 `temperature` and `top_p` are accepted but the run's sampling policy wins: the stored
 log-probs must all come from one behaviour distribution for training to be correct.
@@ -18,12 +24,20 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+)
 
 from agentflow.errors import InvalidInput
 from agentflow.images import parse_data_url
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_STOP = 16
 
 
 class FunctionCall(BaseModel):
@@ -149,6 +163,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     tools: list[ToolDef] | None = Field(default=None, max_length=256)
     tool_choice: Any = None
+    response_format: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -159,6 +174,10 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("n")
     @classmethod
@@ -169,12 +188,57 @@ class ChatCompletionRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _no_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if value:
-            raise ValueError(
-                "stop strings are not supported: generation stops at the end-of-turn token"
-            )
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else list(value or ())
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in strings):
+            raise ValueError("a stop string must not be empty")
+        if any(len(s) > 200 for s in strings):
+            raise ValueError("a stop string has at most 200 characters")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value in (None, "auto", "none"):
+            return value
+        if value == "required" or isinstance(value, dict):
+            raise ValueError(
+                "only 'auto' and 'none' are supported: forcing a tool call needs "
+                "constrained decoding, and the recorded log-probs must be the policy's own"
+            )
+        raise ValueError("must be 'auto', 'none', 'required' or a named function")
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else value
+        if value is None or kind == "text":
+            return value
+        raise ValueError(
+            f"{kind!r} is not supported, only 'text': structured output needs constrained "
+            "decoding, and the recorded log-probs must be the policy's own"
+        )
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported: they change the sampled distribution")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported: it changes the sampled distribution")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if isinstance(self.stop, str):
+            return (self.stop,)
+        return tuple(self.stop or ())
 
     def template_messages(self, image_placeholder: str = "") -> list[dict[str, Any]]:
         return [m.for_template(image_placeholder) for m in self.messages]
@@ -209,6 +273,8 @@ def parse_request(body: Any, *, max_image_bytes: int = MAX_IMAGE_BYTES) -> ChatC
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidInput(f"{where}: {first['msg']}", field=where) from exc
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidInput("top_logprobs: needs logprobs = true", field="top_logprobs")
     if request.messages[-1].role == "assistant":
         raise InvalidInput(
             "the last message is an assistant message: continuing a prefilled assistant "

@@ -21,18 +21,32 @@ only the new tokens, and the engine needs each image beside its placeholder.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agentflow.agents.blackbox.live import ChatState, LiveEpisodes
-from agentflow.agents.blackbox.matching import AssistantView, assistant_view, match_request
+from agentflow.agents.blackbox.matching import (
+    STOP_STRING,
+    AssistantView,
+    assistant_view,
+    match_request,
+)
 from agentflow.agents.blackbox.openai_schema import ChatCompletionRequest
+from agentflow.agents.blackbox.stops import StopWatch, stop_cut
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict, EngineRequestError, EngineUnavailable, InvalidInput
 from agentflow.images import blob_id, data_url
-from agentflow.inference.base import GenerateRequest, GenerateResult, SamplingParams, SessionRef
+from agentflow.inference.base import (
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    SessionRef,
+    TokenObserver,
+)
 from agentflow.tokenization.chat import ChatTemplate
 from agentflow.types import OPEN_EPISODE_STATUSES, TurnKind, TurnNode, TurnRecord
 
@@ -61,7 +75,15 @@ class ChatProxy:
         self.runtimes = runtimes
         self.live = live
 
-    async def complete(self, episode_id: uuid.UUID, request: ChatCompletionRequest) -> ChatAnswer:
+    async def complete(
+        self,
+        episode_id: uuid.UUID,
+        request: ChatCompletionRequest,
+        on_tokens: TokenObserver | None = None,
+        turn_id: uuid.UUID | None = None,
+    ) -> ChatAnswer:
+        """Answer `request` in `episode_id` with the policy turn `turn_id` (new when
+        None); `on_tokens` sees the output as it is made."""
         with self.live.admit(episode_id) as state:
             episode = await self.turns.episode(episode_id)
             if episode.status not in OPEN_EPISODE_STATUSES:
@@ -103,7 +125,15 @@ class ChatProxy:
             if not path or path[-1].kind == "policy":
                 raise InvalidInput("the request adds no message after the last answer")
             return await self._generate(
-                episode_id, state, runtime, path, request, budget_room, images
+                episode_id,
+                state,
+                runtime,
+                path,
+                request,
+                budget_room,
+                images,
+                on_tokens,
+                turn_id or uuid.uuid4(),
             )
 
     async def _generate(
@@ -115,6 +145,8 @@ class ChatProxy:
         request: ChatCompletionRequest,
         budget_room: int | None,
         images: list[bytes],
+        on_tokens: TokenObserver | None,
+        turn_id: uuid.UUID,
     ) -> ChatAnswer:
         context = [t for node in path for t in node.token_ids]
         room = _room(runtime, len(context))
@@ -126,29 +158,36 @@ class ChatProxy:
                 "max_new_tokens": limit,
                 "stop_token_ids": tuple(runtime.template.stop_ids),
                 "seed": request.seed if request.seed is not None else runtime.sampling.seed,
+                "top_logprobs": request.top_logprobs or 0,
             }
         )
-        turn_id = uuid.uuid4()
         # With images the whole context goes out with every image (module docstring).
         session = None if images else await self._session(episode_id, state, runtime)
         start = time.perf_counter()
         image_data = tuple(data_url(image) for image in images)
+        stops = request.stop_strings()
+        observer = _observers(on_tokens, self._stop_watch(runtime, turn_id, stops))
         result = await self._run(
-            runtime, state, session, turn_id, path, context, sampling, image_data
+            runtime, state, session, turn_id, path, context, sampling, image_data, observer
         )
         generate_s = time.perf_counter() - start
-        if result.finish_reason == "abort":
+        cut = stop_cut(runtime.template.tokenizer.decode, result.output_ids, stops)
+        if cut is not None:  # stops.py: keep the tokens up to the stop string
+            result = result.cut(cut[0], "stop")
+            view = AssistantView(content=cut[1].strip())
+        elif result.finish_reason == "abort":
             raise EngineUnavailable("the engine aborted the generation (paused?); retry")
-        view = assistant_view(
-            runtime.template, result.output_ids, parse_calls=request.parse_tool_calls
-        )
+        else:
+            view = assistant_view(
+                runtime.template, result.output_ids, parse_calls=request.parse_tool_calls
+            )
         record = TurnRecord(
             kind="policy",
             token_ids=tuple(result.output_ids),
             logprobs=tuple(result.logprobs),
             weight_versions=tuple(result.token_versions()),
             text=view.content.replace("\x00", ""),
-            finish_reason=result.finish_reason,
+            finish_reason=STOP_STRING if cut is not None else result.finish_reason,
             timings={"generate": generate_s},
         )
         parent_id = path[-1].id
@@ -165,6 +204,21 @@ class ChatProxy:
             view=view,
             created=int(time.time()),
         )
+
+    @staticmethod
+    def _stop_watch(
+        runtime: PolicyRuntime, turn_id: uuid.UUID, stops: Sequence[str]
+    ) -> StopWatch | None:
+        if not stops:
+            return None
+        tasks: set[asyncio.Task[None]] = set()
+
+        def abort() -> None:  # called on the event loop, from the engine's step
+            task = asyncio.get_running_loop().create_task(runtime.engine.abort(turn_id.hex))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        return StopWatch(runtime.template.tokenizer.decode, stops, abort)
 
     async def _session(
         self, episode_id: uuid.UUID, state: ChatState, runtime: PolicyRuntime
@@ -192,13 +246,14 @@ class ChatProxy:
         context: list[int],
         sampling: SamplingParams,
         image_data: tuple[str, ...] = (),
+        observer: TokenObserver | None = None,
     ) -> GenerateResult:
         rid = turn_id.hex
         base = GenerateRequest(
             input_ids=tuple(context), sampling=sampling, rid=rid, image_data=image_data
         )
         if session is None:
-            return await runtime.generate(base)
+            return await runtime.generate(base, observer)
         offset = held = 0
         parent: uuid.UUID | None = None
         for node in path:
@@ -206,18 +261,29 @@ class ChatProxy:
             if node.kind == "policy" and node.id in state.session_rids:
                 parent, held = node.id, offset
         if parent is not None:
-            continued = base.model_copy(
-                update={
-                    "input_ids": tuple(context[held:]),
-                    "session": SessionRef(session_id=session, parent_rid=parent.hex),
-                }
-            )
+            # `offset`: the engine holds all the parent sampled, and a stop string may
+            # have cut the recorded answer shorter (stops.py).
+            ref = SessionRef(session_id=session, parent_rid=parent.hex, offset=held)
+            continued = base.model_copy(update={"input_ids": tuple(context[held:]), "session": ref})
             try:
-                return await runtime.generate(continued)
+                return await runtime.generate(continued, observer)
             except EngineRequestError:
                 state.session_rids.discard(parent)  # lost or evicted: recompute below
         fresh = base.model_copy(update={"session": SessionRef(session_id=session)})
-        return await runtime.generate(fresh)
+        return await runtime.generate(fresh, observer)
+
+
+def _observers(*observers: TokenObserver | None) -> TokenObserver | None:
+    """One observer that shows the tokens to each of `observers` that is set."""
+    present = [o for o in observers if o is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def show(ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        for observer in present:
+            observer(ids, logprobs)
+
+    return show
 
 
 @dataclass(frozen=True)

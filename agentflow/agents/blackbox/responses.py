@@ -10,6 +10,7 @@ from typing import Any
 
 from agentflow.agents.blackbox.matching import tool_call_id
 from agentflow.agents.blackbox.proxy import ChatAnswer
+from agentflow.tokenization.chat import ChatTemplate
 
 
 def message_of(answer: ChatAnswer) -> dict[str, Any]:
@@ -37,15 +38,31 @@ def usage_of(answer: ChatAnswer) -> dict[str, Any]:
     }
 
 
+def token_entry(template: ChatTemplate, token: int, logprob: float) -> dict[str, Any]:
+    """One token in OpenAI's `logprobs.content` shape, without its top log-probs."""
+    text = template.tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+
+def token_entries(answer: ChatAnswer) -> list[dict[str, Any]]:
+    """Per generated token: its text, its engine log-prob, its bytes, and the most likely
+    tokens at that step when `top_logprobs` asked for them."""
+    result = answer.result
+    tops = result.top_logprobs or [[] for _ in result.output_ids]
+    template = answer.template
+    entries = []
+    for token, logprob, top in zip(result.output_ids, result.logprobs, tops, strict=True):
+        entry = token_entry(template, token, logprob)
+        entry["top_logprobs"] = [
+            {k: v for k, v in token_entry(template, t, lp).items() if k != "top_logprobs"}
+            for t, lp in top
+        ]
+        entries.append(entry)
+    return entries
+
+
 def logprobs_of(answer: ChatAnswer) -> dict[str, Any]:
-    """Per generated token: its text, its engine log-prob and its bytes."""
-    content = []
-    for token, logprob in zip(answer.result.output_ids, answer.result.logprobs, strict=True):
-        text = answer.template.tokenizer.decode([token])
-        content.append(
-            {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-        )
-    return {"content": content, "refusal": None}
+    return {"content": token_entries(answer), "refusal": None}
 
 
 def extension_of(answer: ChatAnswer) -> dict[str, Any]:

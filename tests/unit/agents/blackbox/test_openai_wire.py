@@ -13,7 +13,7 @@ from agentflow.agents.blackbox.matching import assistant_view
 from agentflow.agents.blackbox.openai_schema import parse_request
 from agentflow.agents.blackbox.proxy import ChatAnswer
 from agentflow.agents.blackbox.responses import completion_of
-from agentflow.agents.blackbox.sse import stream_chunks
+from agentflow.agents.blackbox.sse import ChunkWriter, ContentStream
 from agentflow.errors import InvalidInput
 from agentflow.inference.base import GenerateResult, VersionSpan
 from agentflow.tokenization.chat import ByteChatTemplate
@@ -30,7 +30,27 @@ USER = {"role": "user", "content": "hi"}
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"model": "m", "messages": [USER], "n": 2}, "n"),
-        ({"model": "m", "messages": [USER], "stop": ["\n"]}, "stop"),
+        ({"model": "m", "messages": [USER], "stop": [""]}, "stop"),
+        ({"model": "m", "messages": [USER], "stop": ["x"] * 17}, "stop"),
+        ({"model": "m", "messages": [USER], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "model": "m",
+                "messages": [USER],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tool_choice",
+        ),
+        ({"model": "m", "messages": [USER], "tool_choice": "always"}, "tool_choice"),
+        (
+            {"model": "m", "messages": [USER], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"model": "m", "messages": [USER], "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"model": "m", "messages": [USER], "presence_penalty": -1}, "presence_penalty"),
+        ({"model": "m", "messages": [USER], "logit_bias": {"5": 10}}, "logit_bias"),
+        ({"model": "m", "messages": [USER], "top_logprobs": 3}, "top_logprobs"),
+        ({"model": "m", "messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"model": "m", "messages": [USER], "max_tokens": 0}, "max_tokens"),
         ({"model": "m", "messages": [USER, {"role": "assistant", "content": "x"}]}, "messages"),
         (
@@ -73,10 +93,14 @@ def test_request_normalises_for_the_template() -> None:
             "max_completion_tokens": 20,
             "user": "ignored",
             "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "frequency_penalty": 0,
+            "stop": "Observation:",
         }
     )
     assert request.template_messages()[0] == {"role": "system", "content": "ab"}
     assert request.token_limit() == 20 and not request.parse_tool_calls
+    assert request.stop_strings() == ("Observation:",)
 
 
 def answer(text: str, finish: str = "stop") -> ChatAnswer:
@@ -119,9 +143,22 @@ def test_completion_parses_as_an_openai_object() -> None:
     assert [t.logprob for t in choice.logprobs.content] == a.result.logprobs  # type: ignore[union-attr]
 
 
+def stream_events(a: ChatAnswer, stops: tuple[str, ...] = ()) -> list[str]:
+    """The SSE events of `a` when its tokens arrive one at a time."""
+    writer = ChunkWriter("chatcmpl-x", a.model, a.created, with_logprobs=True)
+    content = ContentStream(TEMPLATE, stops)
+    out = [writer.chunk({"role": "assistant", "content": ""})]
+    for token in a.result.output_ids:
+        delta = content.feed([token])
+        if delta:
+            out.append(writer.chunk({"content": delta}))
+    out += writer.finish(a, content, 0, include_usage=True)
+    return b"".join(out).decode().split("\n\n")
+
+
 def test_stream_reassembles_to_the_same_message() -> None:
     a = answer("x" * 40 + CALL)
-    events = b"".join(stream_chunks(a, include_usage=True)).decode().split("\n\n")
+    events = stream_events(a)
     assert events[-2:] == ["data: [DONE]", ""]
     chunks = [ChatCompletionChunk.model_validate(json.loads(e[6:])) for e in events[:-2]]
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -160,3 +197,30 @@ def test_flood_cap_is_per_episode() -> None:
     with live.admit(busy):  # slots are given back when requests end, even on errors
         pass
     assert live.chat(busy).in_flight == 0
+
+
+def test_streamed_content_never_takes_back_what_it_sent() -> None:
+    """Text that could still turn into a tool-call marker or a stop string, or be
+    stripped, is held back: each delta is final."""
+    text = "  Thought: look <|tool_c"
+    content = ContentStream(TEMPLATE, stops=("Observation:",))
+    sent = [content.feed(TEMPLATE.tokenizer.encode(ch)) for ch in text]
+    assert "".join(sent) == "Thought: look"  # no leading blanks, no half marker
+    assert content.feed(TEMPLATE.tokenizer.encode("all|>")) == ""  # a call began: done
+    stop = ContentStream(TEMPLATE, stops=("Observation:",))
+    streamed = "".join(stop.feed(TEMPLATE.tokenizer.encode(ch)) for ch in "go\nObserv")
+    assert streamed == "go"  # "\nObserv" may still be the stop string's start
+    assert stop.feed(TEMPLATE.tokenizer.encode("ation: 3")) == "" and stop.closed
+
+
+def test_streamed_logprobs_cover_every_token_once() -> None:
+    a = answer("hello there")
+    events = stream_events(a)
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e[6:])) for e in events[:-2]]
+    entries = [
+        t.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert entries == a.result.logprobs
