@@ -2,6 +2,8 @@
 
     POST /v1/episodes/{id}/chat/completions   key bound to that episode (or the API key)
     POST /v1/chat/completions                 the episode is the one the key is bound to
+    POST /v1/episodes/{id}/responses          the Responses API (`responses_api`), likewise
+    POST /v1/responses
     GET  /v1/models                           the models of the live runs
     GET  /v1/models/{id}                      one of them (404 when no live run serves it)
 
@@ -34,6 +36,7 @@ from agentflow.agents.blackbox.openai_schema import (
 )
 from agentflow.agents.blackbox.proxy import ChatProxy
 from agentflow.agents.blackbox.responses import completion_of, token_entry
+from agentflow.agents.blackbox.responses_api import parse_responses_request, response_of
 from agentflow.agents.blackbox.sse import DONE, ChunkWriter, ContentStream, event
 from agentflow.agents.keys import episode_for_key
 from agentflow.agents.runtime import RuntimeRegistry
@@ -197,6 +200,32 @@ async def _stream(
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+async def _respond(request: Request, raw_id: str | None) -> Response:
+    """`/v1/responses`: the Responses API on the same chat core (`responses_api`)."""
+    try:
+        episode_id = authorize_episode(request, raw_id)
+        settings: Settings = request.app.state.settings
+        responses_request, chat_request = parse_responses_request(
+            parse_json(await request.body(), loc=()), max_image_bytes=settings.max_image_bytes
+        )
+        runtimes: RuntimeRegistry = request.app.state.runtimes
+        proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
+        answer = await proxy.complete(episode_id, chat_request)
+    except Exception as exc:
+        return openai_error(_failure(exc))
+    return JSONResponse(response_of(answer, responses_request))
+
+
+@router.post("/v1/episodes/{episode_id}/responses", response_model=None)
+async def episode_responses(episode_id: str, request: Request) -> Response:
+    return await _respond(request, episode_id)
+
+
+@router.post("/v1/responses", response_model=None)
+async def responses(request: Request) -> Response:
+    return await _respond(request, None)
 
 
 @router.post("/v1/episodes/{episode_id}/chat/completions", response_model=None)
