@@ -12,6 +12,7 @@ torch and transformers are imported inside the functions: importing this module 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -154,14 +155,49 @@ def load_model(path: str | Path, *, dtype: Any = None, device: str = "cpu") -> P
 
 
 def save_model(model: PreTrainedModel, path: str | Path) -> Path:
-    """Save as safetensors + config (HF format), plus the `ModelInit` when there is one."""
+    """Save as safetensors + config (HF format), plus the `ModelInit` when there is one,
+    and the tokenizer files (`save_tokenizer_files`)."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(p, safe_serialization=True)
     init = getattr(model.config, "agentflow_init", None)
     if init is not None:
         (p / MODEL_INIT_FILE).write_text(json.dumps(init, indent=2))
+    save_tokenizer_files(model, p)
     return p
+
+
+# What a checkpoint's tokenizer is made of, in the files HF tools read.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def save_tokenizer_files(model: PreTrainedModel, path: str | Path) -> None:
+    """Put the model's tokenizer beside its weights, so the directory loads alone with
+    `AutoTokenizer.from_pretrained` (and serves with SGLang): the byte tokenizer as HF
+    files for a model built from a `ModelInit`, else the files of the checkpoint it was
+    loaded from."""
+    p = Path(path)
+    if tokenizer_kind(model) == "bytes":
+        from agentflow.tokenization.hf_export import save_byte_tokenizer
+
+        save_byte_tokenizer(p)
+        return
+    source = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    if not source.is_dir() or source.resolve() == p.resolve():
+        return
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, p / name)
 
 
 def tokenizer_kind(model: PreTrainedModel) -> str | None:

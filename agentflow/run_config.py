@@ -547,6 +547,18 @@ class RunConfig(_Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     rtpo: RtpoConfig = Field(default_factory=RtpoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    logger: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="trackers the step metrics also go to (trainer/loggers.py); "
+        "metrics.jsonl is always written",
+    )
+
+    @field_validator("logger")
+    @classmethod
+    def _distinct_loggers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("each logger at most once")
+        return value
 
     @field_validator("engine")
     @classmethod

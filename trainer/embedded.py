@@ -31,6 +31,7 @@ from agentflow.rollout.manager import RunManager
 from agentflow.run_config import RunConfig, check_device
 from envs import registry
 from trainer.backends.torch_backend import TorchPolicy
+from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
@@ -139,8 +140,13 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
     settings = Settings(database_url=url)
     turns = TurnTree(session_factory(engine), blob_store=blob_store_for(settings))
     manager = RunManager(turns, RuntimeRegistry(), settings, trainer_in_process=True)
-    report = RunReport(directory, config.trainer.steps)
-    report.write_config(config.model_dump(mode="json"))
+    settings_doc = config.model_dump(mode="json")
+    report = RunReport(
+        directory,
+        config.trainer.steps,
+        loggers=build_loggers(config.logger, directory, config.name, settings_doc),
+    )
+    report.write_config(settings_doc)
     started = time.perf_counter()
     try:
         run_id = await _start_or_recover(manager, config)
@@ -212,6 +218,7 @@ async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]
             }
         )
     finally:
+        report.close()
         try:
             await manager.shutdown()
         finally:

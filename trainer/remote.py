@@ -48,6 +48,7 @@ from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
 from agentflow.run_config import RunConfig, check_device
+from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
@@ -369,7 +370,12 @@ async def _train(
     async with httpx.AsyncClient(
         base_url=gateway, headers=headers, timeout=120, transport=RetryingTransport(retry)
     ) as client:
-        report = RunReport(directory, config.trainer.steps)
+        document = config.model_dump(mode="json")
+        report = RunReport(
+            directory,
+            config.trainer.steps,
+            loggers=build_loggers(config.logger, directory, config.name, document),
+        )
         stream = HttpTrajectoryStream(client, run_id)
         policy = build_policy(config)
         checkpoints = directory / "checkpoints"
@@ -413,6 +419,7 @@ async def _train(
                 raise published.gave_up from None
             raise
         finally:
+            report.close()
             await weights_api.aclose()
             if teachers is not None:
                 await teachers.close()

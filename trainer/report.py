@@ -9,6 +9,7 @@ the end `summary.json` and a PNG plot of reward and episode length against step.
       reward.png           reward and turns per episode against step
       checkpoints/step-N/  model, optimizer, step, version (see trainer.loop)
       sft/                 the warm-started model, when the run has a warm start
+      tensorboard/, wandb/ the trackers the config's `logger` names (trainer.loggers)
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+from trainer.loggers import MetricLogger, log
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -27,8 +31,16 @@ PLOT_FILE = "reward.png"
 
 
 class RunReport:
-    def __init__(self, directory: Path, total_steps: int, *, out: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        total_steps: int,
+        *,
+        out: TextIO | None = None,
+        loggers: Sequence[MetricLogger] = (),
+    ) -> None:
         self.directory = directory
+        self.loggers = list(loggers)
         self.total_steps = total_steps
         self.out = out or sys.stdout
         self.started = time.perf_counter()
@@ -45,6 +57,11 @@ class RunReport:
             fh.write(json.dumps(row) + "\n")
         if self.first_step is None:
             self.first_step = step
+        for tracker in self.loggers:
+            try:
+                tracker.log(step, metrics)
+            except Exception:  # a tracker is a copy: the run and metrics.jsonl go on
+                log.exception("logging step %d to %s failed", step, type(tracker).__name__)
         self._progress(step, metrics)
 
     def error(self, step: int, message: str) -> None:
@@ -82,7 +99,17 @@ class RunReport:
                 by_step[int(row["step"])] = row
         return [by_step[s] for s in sorted(by_step)]
 
+    def close(self) -> None:
+        """Close the trackers (idempotent); the files stay."""
+        loggers, self.loggers = self.loggers, []
+        for tracker in loggers:
+            try:
+                tracker.close()
+            except Exception:
+                log.exception("closing %s failed", type(tracker).__name__)
+
     def finish(self, extra: dict[str, Any]) -> dict[str, Any]:
+        self.close()
         rows = self.rows()
         summary = {**summarize(rows), **extra}
         (self.directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))

@@ -424,6 +424,7 @@ def run_sft(
         "train": asdict(train),
     }
     if config.eval_episodes:
+        say(f"warm start evaluation: {config.eval_episodes} sampled episodes")
         result = asyncio.run(
             evaluate(
                 net,
@@ -441,6 +442,7 @@ def run_sft(
             )
         )
         metrics["eval"] = asdict(result)
+        say(f"warm start evaluation: mean reward {result.mean_reward:.3f}")
     out = save_model(net, out_dir)
     (out / SFT_METRICS_FILE).write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -54,7 +54,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentflow.errors import InvalidInput, NotFound
-from agentflow.modeling import MODEL_INIT_FILE, load_model, save_model, token_logprobs
+from agentflow.modeling import (
+    MODEL_INIT_FILE,
+    load_model,
+    save_model,
+    save_tokenizer_files,
+    token_logprobs,
+)
 from agentflow.types import Trajectory
 from trainer.algorithms import (
     AlgorithmConfig,
@@ -393,6 +399,7 @@ class TorchPolicy:
                 init = getattr(self.model.config, "agentflow_init", None)
                 if init is not None:
                     (tmp / MODEL_DIR / MODEL_INIT_FILE).write_text(json.dumps(init, indent=2))
+                save_tokenizer_files(self.model, tmp / MODEL_DIR)
             torch.save(optim_state, tmp / OPTIMIZER_FILE)
             (tmp / STATE_FILE).write_text(text)
             _fsync_tree(tmp)
