@@ -7,10 +7,11 @@ re-tokenized, so what the trainer sees is exactly what the engine saw. Two templ
 - `ByteChatTemplate` for the project's byte tokenizer:
   `<|bos|><|system|>...<|end|><|user|>...<|end|><|assistant|>` and the assistant stops
   on `<|end|>`; tool calls use the project's own markers.
-- `HFChatTemplate` for checkpoints with a Jinja chat template: each message's text is the
-  difference between renderings of growing prefixes of the conversation, tokenized on its
-  own; a delta after a generated turn adds what the template puts after the end-of-turn
-  token (e.g. ChatML's newline). Tool calls use the Hermes/Qwen format.
+- `HFChatTemplate` for checkpoints with a Jinja chat template (or an override): each
+  message's text is the difference between renderings of growing prefixes of the
+  conversation, tokenized on its own; a delta after a generated turn adds what the
+  template puts after the end-of-turn token (e.g. ChatML's newline). Tool calls are
+  parsed in the format the template shows (`tool_calls.style_of_template`).
 
 Messages are OpenAI-shaped mappings: `role`, `content`, optional `tool_calls`, `name`.
 An image in a message is the template's `image_placeholder` text where it stood; its
@@ -35,6 +36,7 @@ from agentflow.tokenization.tool_calls import (
     ToolCallStyle,
     parse_tool_calls,
     render_tool_call,
+    style_of_template,
 )
 
 Message = Mapping[str, Any]
@@ -193,20 +195,42 @@ class ByteChatTemplate:
 
 
 class HFChatTemplate:
-    tool_call_style: ToolCallStyle = "hermes"
+    """A checkpoint's Jinja template (or an override), rendered to token deltas.
 
-    # A fixed two-message conversation whose rendering locates the text the template puts
-    # after an assistant's end-of-turn token.
+    `template` replaces the tokenizer's own template; `template_kwargs` go to every
+    rendering (Qwen3's `enable_thinking`, say); `tool_call_style` is the format tool
+    calls are parsed in, by default the one the template's text shows.
+
+    Deltas never re-render history: the text new messages add after an assistant turn is
+    found in a rendering of a fixed probe conversation followed by them, just after the
+    probe's answer and its end-of-turn token. So templates that rewrite earlier turns when
+    one is appended (Qwen3 adds an empty think block to the last answer and drops it
+    later) still give exact deltas, and a trajectory stays exactly what the engine saw.
+    """
+
+    # A fixed two-message conversation: its answer locates where new messages start.
     _PROBE: tuple[Message, ...] = (
         {"role": "user", "content": "ping"},
         {"role": "assistant", "content": "pong"},
     )
 
-    def __init__(self, tokenizer: HFTokenizer) -> None:
-        if not tokenizer.chat_template:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        tool_call_style: ToolCallStyle | None = None,
+    ) -> None:
+        source = template or tokenizer.chat_template
+        if not source:
             raise InvalidInput("the tokenizer has no chat template", field="tokenizer")
         self.tokenizer = tokenizer
+        self._template = template
+        self._kwargs = dict(template_kwargs or {})
+        self.tool_call_style: ToolCallStyle = tool_call_style or style_of_template(source)
         self._stop = tokenizer.end_of_turn_ids()
+        self._close_text, self._after_close = self._closing()
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -222,14 +246,35 @@ class HFChatTemplate:
         return DEFAULT_IMAGE_PLACEHOLDER
 
     def _text(self, messages: Sequence[Message], tools: Any = None, gen: bool = False) -> str:
-        return str(
-            self.tokenizer.hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=list(tools) if tools else None,
-                tokenize=False,
-                add_generation_prompt=gen,
+        try:
+            return str(
+                self.tokenizer.hf.apply_chat_template(
+                    [dict(m) for m in messages],
+                    tools=list(tools) if tools else None,
+                    tokenize=False,
+                    add_generation_prompt=gen,
+                    chat_template=self._template,
+                    **self._kwargs,
+                )
             )
-        )
+        except InvalidInput:
+            raise
+        except Exception as exc:  # the template's own refusal (raise_exception), a bad key
+            raise InvalidInput(
+                f"the chat template cannot render this conversation: {exc}", field="messages"
+            ) from exc
+
+    def _closing(self) -> tuple[str, str]:
+        """The end-of-turn text that closes an answer, and what the template puts after it
+        (ChatML's newline), read off the probe's rendering."""
+        probe = self._text(self._PROBE)
+        at = probe.rfind("pong")
+        rest = probe[at + len("pong") :] if at >= 0 else ""
+        for tid in self._stop:
+            eot = self.tokenizer.decode([tid])
+            if eot and rest.startswith(eot):
+                return eot, rest[len(eot) :]
+        return self.tokenizer.decode([self._stop[0]]), ""
 
     def _pieces(
         self, base: Sequence[Message], new: Sequence[Message], tools: Any, prefix: str
@@ -289,15 +334,23 @@ class HFChatTemplate:
         add_generation_prompt: bool = True,
     ) -> RenderedChat:
         _check(messages)
-        probe = self._text(self._PROBE)
         close: list[int] = []
         if after:
-            eot = self.tokenizer.decode([self._stop[-1]])
-            cut = probe.rfind(eot)
-            tail = probe[cut + len(eot) :] if cut >= 0 else ""
             ended = after[-1] in self._stop
-            close = self.tokenizer.encode(("" if ended else eot) + tail, allow_special=True)
-        ids, spans = self._pieces(self._PROBE, messages, None, probe)
+            text = ("" if ended else self._close_text) + self._after_close
+            close = self.tokenizer.encode(text, allow_special=True)
+        # Where the new messages start: just after the probe's answer, as the template
+        # renders it with them following (not as it renders the probe alone).
+        full = self._text([*self._PROBE, *messages])
+        anchor = "pong" + self._close_text + self._after_close
+        at = full.find(anchor)
+        if at < 0:
+            raise InvalidInput(
+                "the chat template does not close an answer with its end-of-turn token "
+                "before the next message; token deltas cannot be rendered",
+                field="messages",
+            )
+        ids, spans = self._pieces(self._PROBE, messages, None, full[: at + len(anchor)])
         for s in spans:
             s.start += len(close)
             s.end += len(close)
@@ -310,7 +363,9 @@ class HFChatTemplate:
         ids = list(output_ids)
         while ids and ids[-1] in self._stop:
             ids.pop()
-        return parse_tool_calls(self.tokenizer.decode(ids, skip_special=False), "hermes")
+        return parse_tool_calls(
+            self.tokenizer.decode(ids, skip_special=False), self.tool_call_style
+        )
 
 
 def chat_template_for(tokenizer: Tokenizer) -> ChatTemplate:

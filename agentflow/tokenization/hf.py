@@ -12,8 +12,9 @@ from typing import Any
 
 from agentflow.errors import InvalidInput
 
-# End-of-turn tokens of common chat formats (ChatML, Llama 3, Gemma, Phi).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+# End-of-turn tokens of common chat formats (ChatML, Llama 3 incl. its after-a-tool-call
+# `<|eom_id|>`, Gemma, Phi).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 
 
 class HFTokenizer:
