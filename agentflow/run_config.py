@@ -36,6 +36,7 @@ from pydantic import (
 from agentflow.errors import InvalidInput
 from agentflow.modeling import ModelInit
 from agentflow.plugins import load_function
+from agentflow.tokenization.tool_calls import ToolCallStyle
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
@@ -98,6 +99,49 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field(default="", description="local HF-format checkpoint dir; empty: build")
     init: ModelInit = Field(default_factory=ModelInit, description="used when path is empty")
+    chat_template: str = Field(
+        default="",
+        description="a Jinja chat template replacing the checkpoint's: a file path, or the "
+        "template itself (text with `{%` or `{{`)",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra variables for every rendering (e.g. enable_thinking = false)",
+    )
+    tool_call_format: ToolCallStyle | None = Field(
+        default=None, description="how the model writes tool calls; None: what the template shows"
+    )
+    chat_history: Literal["append", "rerender"] = Field(
+        default="append",
+        description="black-box requests as token deltas after each recorded answer (exact "
+        "contexts), or the template's rendering of the whole conversation (branches where "
+        "the template rewrote history); docs/model-families.md",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_source(cls, value: str) -> str:
+        if value and "{%" not in value and "{{" not in value and not Path(value).is_file():
+            raise ValueError(f"no chat template file at {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _template_needs_checkpoint(self) -> ModelConfig:
+        custom = self.chat_template or self.chat_template_kwargs or self.tool_call_format
+        if custom and not self.path:
+            raise ValueError(
+                "chat_template, chat_template_kwargs and tool_call_format apply to a "
+                "checkpoint's tokenizer (model.path); built models use the byte template"
+            )
+        return self
+
+    def template_text(self) -> str | None:
+        """The override template's text, read from its file when it is a path."""
+        if not self.chat_template:
+            return None
+        if "{%" in self.chat_template or "{{" in self.chat_template:
+            return self.chat_template
+        return Path(self.chat_template).read_text()
 
 
 class LocalEngineConfig(_Section):
@@ -572,6 +616,15 @@ class RunConfig(_Section):
                 "model.init builds a model only for the local engine"
             )
         return value
+
+    @model_validator(mode="after")
+    def _rerender_is_black_box(self) -> RunConfig:
+        if self.model.chat_history == "rerender" and self.agent.type == "whitebox":
+            raise ValueError(
+                "model.chat_history = 'rerender' is for black-box agents, which resend the "
+                "conversation; the white-box loop appends token deltas"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rtpo(self) -> RunConfig:

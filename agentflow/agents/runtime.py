@@ -20,6 +20,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 from agentflow.errors import NotFound
 from agentflow.inference.base import (
@@ -69,6 +70,9 @@ class PolicyRuntime:
     max_context: int = 4096
     partial_rollout: bool = True
     interrupt: PauseMode = PauseMode.RETRACT  # how an update interrupts (partial rollout)
+    # How black-box requests become tokens: "append" token deltas after each recorded
+    # answer, or "rerender" the whole conversation (agents/blackbox/matching.py).
+    history: Literal["append", "rerender"] = "append"
     max_resubmits: int = 16
     load: GenerationLoad = field(default_factory=GenerationLoad)
     resubmitted: int = 0  # continuations sent after an abort (partial rollouts)

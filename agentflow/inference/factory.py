@@ -14,7 +14,8 @@ from agentflow.modeling import MODEL_INIT_FILE
 from agentflow.run_config import LocalEngineConfig, RunConfig, SGLangEngineConfig, check_device
 from agentflow.tokenization import load_tokenizer
 from agentflow.tokenization.bytes import ByteTokenizer
-from agentflow.tokenization.chat import ChatTemplate, chat_template_for
+from agentflow.tokenization.chat import ChatTemplate, HFChatTemplate, chat_template_for
+from agentflow.tokenization.hf import HFTokenizer
 
 
 def build_template(config: RunConfig) -> ChatTemplate:
@@ -28,7 +29,15 @@ def build_template(config: RunConfig) -> ChatTemplate:
         )
     if not path or _built_here(Path(path)):
         return chat_template_for(ByteTokenizer())
-    return chat_template_for(load_tokenizer(path))
+    tokenizer = load_tokenizer(path)
+    if not isinstance(tokenizer, HFTokenizer):
+        return chat_template_for(tokenizer)
+    return HFChatTemplate(
+        tokenizer,
+        template=config.model.template_text(),
+        template_kwargs=config.model.chat_template_kwargs,
+        tool_call_style=config.model.tool_call_format,
+    )
 
 
 def _built_here(path: Path) -> bool:

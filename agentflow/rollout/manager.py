@@ -294,4 +294,5 @@ def _build_runtime(config: RunConfig) -> PolicyRuntime:
         max_context,
         partial_rollout=config.rollout.partial_rollout,
         interrupt=PauseMode(config.rollout.interrupt),
+        history=config.model.chat_history,
     )

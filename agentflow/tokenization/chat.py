@@ -300,8 +300,11 @@ class HFChatTemplate:
             if i == len(new) - 1:
                 end = len(full)
             else:
-                text = self._text([*base, *new[: i + 1]], tools)
-                end = max(prev, len(os.path.commonprefix([text, full])))
+                try:
+                    text = self._text([*base, *new[: i + 1]], tools)
+                    end = max(prev, len(os.path.commonprefix([text, full])))
+                except InvalidInput:  # the template refuses this prefix alone (Llama 3.1
+                    end = prev  # wants a user message for its tools): joins the next one
             start = len(ids)
             ids += self.tokenizer.encode(full[prev:end], allow_special=True)
             spans.append(MessageSpan(index=i, role=new[i]["role"], start=start, end=len(ids)))

@@ -22,6 +22,17 @@ NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
 
 # Options the run would ignore or fail on late: (patch, loc, what the message says).
 REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
+    ({"model": {"chat_template": "{{ x }}"}}, ("model",), "checkpoint's tokenizer"),
+    (
+        {"model": {"path": "/ckpt", "chat_template": "/no/such.jinja"}},
+        ("model", "chat_template"),
+        "no chat template file",
+    ),
+    (
+        {"model": {"path": "/ckpt", "chat_history": "rerender"}},
+        (),
+        "for black-box agents",
+    ),
     ({"agent": {"reward": "agent"}}, ("agent", "reward"), "whitebox agent's reward"),
     ({"agent": {"reward": "external"}}, ("agent", "reward"), "whitebox agent's reward"),
     ({"agent": {"url": "http://a:1"}}, ("agent", "url"), "type 'http'"),
@@ -153,6 +164,18 @@ def test_options_that_would_do_nothing_are_refused(
         {"warm_start": {"enabled": True}},
         {"envs": [{"id": "agentflow/lookup-v0"}], "warm_start": {"enabled": True, "p_oracle": 1}},
         {"teachers": []},
+        {
+            "model": {
+                "path": "/ckpt",
+                "chat_template": "{{ messages[0]['content'] }}",
+                "chat_template_kwargs": {"enable_thinking": False},
+                "tool_call_format": "llama3_json",
+            }
+        },
+        {
+            "model": {"path": "/ckpt", "chat_history": "rerender"},
+            "agent": {"type": "http", "url": "http://a:1", "reward": "external"},
+        },
         {
             "teachers": [{"name": "t", "path": "/ckpt", "envs": ["agentflow/guess-number-v0"]}],
             "distill": {"estimator": "full", "rl": False, "max_resident": 2},

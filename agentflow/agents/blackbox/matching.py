@@ -46,8 +46,11 @@ class AssistantView:
     parse_errors: tuple[str, ...] = ()
 
 
-def tool_call_id(turn_hex: str, index: int) -> str:
-    """Ids name their policy turn, so an echoed call finds its turn among equal siblings."""
+def tool_call_id(turn_hex: str, index: int, style: str | None = None) -> str:
+    """Ids name their policy turn, so an echoed call finds its turn among equal siblings.
+    Mistral's templates take only 9 letters and digits."""
+    if style == "mistral":
+        return f"{turn_hex[:7]}{index % 100:02d}"
     return f"call_{turn_hex[:24]}_{index}"
 
 
@@ -67,6 +70,11 @@ def assistant_view(
     if parsed.errors:
         return AssistantView(content=raw, parse_errors=tuple(parsed.errors))
     return AssistantView(content=parsed.content, tool_calls=tuple(parsed.tool_calls))
+
+
+def _style(template: ChatTemplate) -> str | None:
+    style: str | None = getattr(template, "tool_call_style", None)
+    return style
 
 
 def _calls_of(message: Message) -> list[tuple[str, Any]]:
@@ -98,7 +106,7 @@ def _answered_by(
         else:
             views = (assistant_view(template, child.token_ids, parse_calls=p == 1) for p in (1, 0))
         if any(_says(message, v) for v in views):
-            if tool_call_id(child.id.hex, 0) in ids:
+            if tool_call_id(child.id.hex, 0, _style(template)) in ids:
                 return child
             found.append(child)
     return found[-1] if found else None  # the newest: most likely the answer just sent
@@ -162,13 +170,52 @@ def split_at_assistants(messages: Sequence[Message]) -> list[list[Message]]:
     return parts
 
 
-def match_request(
+def match_rendered(
     template: ChatTemplate,
     roots: Sequence[TurnNode],
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> Match:
-    """Walk `roots` with the request's tokens; see the module docstring."""
+    """`chat_history = "rerender"`: the request's tokens are the template's rendering of
+    the whole conversation (generation prompt included), and the tree is walked with them
+    by whole segments of any kind. Where the template rewrote history (Qwen3 drops the
+    thought of an earlier answer), the recorded turn no longer matches, the walk stops
+    before it, and the rest of the rendering starts a branch there: every context is
+    what the template makes of the conversation, and the earlier answers' samples stay
+    on their own paths."""
+    pending = list(template.render(messages, tools=tools).token_ids)
+    result = Match()
+    children: Sequence[TurnNode] = roots
+    while pending:
+        child = next(
+            (
+                c
+                for c in children
+                if c.token_ids and tuple(pending[: len(c.token_ids)]) == c.token_ids
+            ),
+            None,
+        )
+        if child is None:
+            break
+        result.path.append(child)
+        children = child.children
+        pending = pending[len(child.token_ids) :]
+    result.new_tokens = pending
+    return result
+
+
+def match_request(
+    template: ChatTemplate,
+    roots: Sequence[TurnNode],
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    rerender: bool = False,
+) -> Match:
+    """Walk `roots` with the request's tokens; see the module docstring (`rerender`:
+    see `match_rendered`)."""
+    if rerender:
+        return match_rendered(template, roots, messages, tools)
     result = Match()
     children: Sequence[TurnNode] = roots
     pending: list[int] = []

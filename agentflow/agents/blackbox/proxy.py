@@ -102,7 +102,13 @@ class ChatProxy:
             # identical concurrent requests share one segment instead of racing.
             async with state.lock:
                 tree = await self.turns.episode_tree(episode_id)
-                found = match_request(runtime.template, tree.roots, messages, tools)
+                found = match_request(
+                    runtime.template,
+                    tree.roots,
+                    messages,
+                    tools,
+                    rerender=runtime.history == "rerender",
+                )
                 # Refuse what cannot fit before anything is written.
                 size = sum(len(n.token_ids) for n in found.path) + len(found.new_tokens)
                 _room(runtime, size)

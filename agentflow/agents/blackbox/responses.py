@@ -14,8 +14,9 @@ from agentflow.tokenization.chat import ChatTemplate
 
 
 def message_of(answer: ChatAnswer) -> dict[str, Any]:
+    style = getattr(answer.template, "tool_call_style", None)
     calls = [
-        {**call.to_openai(), "id": tool_call_id(answer.turn_id.hex, index)}
+        {**call.to_openai(), "id": tool_call_id(answer.turn_id.hex, index, style)}
         for index, call in enumerate(answer.view.tool_calls)
     ]
     message: dict[str, Any] = {

@@ -233,7 +233,9 @@ def response_of(answer: ChatAnswer, request: ResponsesRequest) -> dict[str, Any]
             {
                 "type": "function_call",
                 "id": f"fc_{turn[:24]}_{index}",
-                "call_id": tool_call_id(turn, index),
+                "call_id": tool_call_id(
+                    turn, index, getattr(answer.template, "tool_call_style", None)
+                ),
                 "name": wire["name"],
                 "arguments": wire["arguments"],
                 "status": "completed",

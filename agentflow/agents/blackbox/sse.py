@@ -27,7 +27,7 @@ from agentflow.agents.blackbox.proxy import ChatAnswer
 from agentflow.agents.blackbox.responses import extension_of, message_of, token_entries, usage_of
 from agentflow.agents.blackbox.stops import first_stop
 from agentflow.tokenization.chat import ChatTemplate
-from agentflow.tokenization.tool_calls import MARKERS
+from agentflow.tokenization.tool_calls import CALL_OPENERS
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -69,9 +69,9 @@ class ContentStream:
         ends = [first_stop(text, self.stops)] if self.stops else []
         watch = list(self.stops)
         if self.parse_calls:
-            marker = MARKERS[getattr(self.template, "tool_call_style", "hermes")][0]
-            ends.append(text.find(marker) if marker in text else None)
-            watch.append(marker)
+            for marker in CALL_OPENERS[getattr(self.template, "tool_call_style", "hermes")]:
+                ends.append(text.find(marker) if marker in text else None)
+                watch.append(marker)
         cut = min((e for e in ends if e is not None), default=None)
         if cut is not None:
             text, self.closed = text[:cut], True

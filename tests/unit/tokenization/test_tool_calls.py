@@ -5,6 +5,7 @@ import json
 import pytest
 
 from agentflow.tokenization import ToolCall, parse_tool_calls, render_tool_call
+from agentflow.tokenization.tool_calls import TOOL_CALL_STYLES, style_of_template
 
 
 def test_own_format():
@@ -55,7 +56,7 @@ def test_unclosed_call_at_the_end_is_still_parsed():
     assert parsed.tool_calls[0].arguments == {"a": 1}
 
 
-@pytest.mark.parametrize("style", ["agentflow", "hermes"])
+@pytest.mark.parametrize("style", TOOL_CALL_STYLES)
 def test_render_then_parse(style):
     openai_call = {
         "id": "c1",
@@ -63,7 +64,8 @@ def test_render_then_parse(style):
         "function": {"name": "search", "arguments": json.dumps({"q": "ü"})},
     }
     text = render_tool_call(openai_call, style)
-    parsed = parse_tool_calls("pre " + text, style)
+    # A Llama 3 call is the whole answer; the other formats may follow text.
+    parsed = parse_tool_calls(text if style == "llama3_json" else "pre " + text, style)
     assert parsed.tool_calls[0].name == "search"
     assert parsed.tool_calls[0].arguments == {"q": "ü"}
     assert parsed.tool_calls[0].to_openai()["function"]["name"] == "search"
@@ -72,3 +74,72 @@ def test_render_then_parse(style):
 def test_unknown_style():
     with pytest.raises(ValueError):
         parse_tool_calls("x", "xml")  # type: ignore[arg-type]
+
+
+def calls(text: str, style: str) -> list[tuple[str, dict]]:
+    parsed = parse_tool_calls(text, style)  # type: ignore[arg-type]
+    return [(c.name, c.arguments) for c in parsed.tool_calls]
+
+
+@pytest.mark.parametrize(
+    ("style", "text", "want", "content"),
+    [
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
+            [("f", {"x": 1}), ("g", {})],
+            "",
+        ),
+        ("llama3_json", '{"name": "f", "parameters": {"s": "a;b}"}}', [("f", {"s": "a;b}"})], ""),
+        ("llama3_json", "The pet is rex.", [], "The pet is rex."),
+        (
+            "mistral",
+            'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}, "id": "abcdefghi"}]',
+            [("f", {"x": 1})],
+            "ok",
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}',
+            [("f", {"x": 1}), ("g", {})],
+            "",
+        ),
+        (
+            "deepseek",
+            "hm<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+            '{"x": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            [("f", {"x": 1})],
+            "hm",
+        ),
+        (
+            "deepseek",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"x": 1}<｜tool▁call▁end｜>'
+            "<｜tool▁call▁begin｜>g<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            [("f", {"x": 1}), ("g", {})],
+            "",
+        ),
+    ],
+)
+def test_family_formats_parse(style, text, want, content):
+    assert calls(text, style) == want
+    assert parse_tool_calls(text, style).content == content
+
+
+@pytest.mark.parametrize(
+    ("style", "text"),
+    [
+        ("llama3_json", '{"name": "f", "parameters": {"x": }'),
+        ("mistral", "[TOOL_CALLS][{broken"),
+        ("deepseek", "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{nope<｜tool▁call▁end｜>"),
+    ],
+)
+def test_malformed_family_calls_are_errors(style, text):
+    parsed = parse_tool_calls(text, style)
+    assert parsed.tool_calls == [] and len(parsed.errors) == 1
+
+
+def test_the_format_is_read_off_the_template():
+    assert style_of_template("{{ '<tool_call>' }}") == "hermes"
+    assert style_of_template("{{- '<|python_tag|>' + name }}") == "llama3_json"
+    assert style_of_template('{{- "[TOOL_CALLS][" }}') == "mistral"
+    assert style_of_template("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek"
