@@ -6,7 +6,14 @@ difference is the gateway's own cost: chat-template deltas, bookkeeping, and wri
 every turn to the database. Prints p50/p99 per-turn latency of both at concurrency 1,
 the added time, and turns/s of the gateway with many episodes at once.
 
+`--pool N` instead measures the HTTP pool to the engine with N live episodes: N
+generations at once through `SGLangEngine` against a mock SGLang worker on loopback
+whose every answer takes `--server-s`, with httpx's default pool (100 connections) and
+with the pool sized from the config (`rollout.max_concurrency` + 16). The time a request
+spends beyond the server's is its wait for a connection.
+
     python bench/gateway_overhead.py [--turns 20] [--episodes 200] [--concurrency 64]
+    python bench/gateway_overhead.py --pool 256 [--server-s 1.0]
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -130,6 +138,139 @@ async def bench(url: str, args: argparse.Namespace) -> None:
     await db.dispose()
 
 
+class _Worker:
+    """A mock SGLang worker (tests/support/mock_sglang.py) in its own process, so that
+    its work does not share this process's event loop (and GIL) with the client's."""
+
+    def __init__(self, server_s: float) -> None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server_s = server_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> _Worker:
+        import httpx
+
+        command = [sys.executable, __file__, "--serve-mock", str(self.port)]
+        command += ["--server-s", str(self.server_s)]
+        self.process = subprocess.Popen(command)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.__exit__()
+                raise RuntimeError("the mock worker did not start")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def serve_mock(port: int, server_s: float) -> None:
+    import uvicorn
+
+    from tests.support.mock_sglang import create_mock_worker
+
+    engine = MockEngine(lambda request, engine: REPLY, delay_s=server_s, max_context=1 << 16)
+    uvicorn.run(
+        create_mock_worker(engine),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        backlog=4096,
+        timeout_keep_alive=120,
+        ws="none",
+    )
+
+
+def _timed_transport(limits: object, waits: list[float]) -> object:
+    """An httpx transport that records each request's wait for a pooled connection: the
+    time from its start to its first event on a connection (connect or send)."""
+    import httpx
+
+    class Timed(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            start = time.perf_counter()
+            seen: list[float] = []
+
+            async def trace(event: str, info: dict[str, object]) -> None:
+                if not seen:
+                    seen.append(time.perf_counter())
+
+            request.extensions["trace"] = trace
+            try:
+                return await super().handle_async_request(request)
+            finally:
+                if request.url.path == "/generate" and seen:
+                    waits.append(seen[0] - start)
+
+    return Timed(limits=limits)  # type: ignore[arg-type]
+
+
+async def pool_wait(episodes: int, server_s: float) -> None:
+    """`--pool`: see the module docstring."""
+    import httpx
+
+    from agentflow.inference.sglang import SGLangEngine, SGLangSettings
+
+    print(f"{episodes} generations at once, the server takes {server_s * 1e3:.0f} ms each:")
+    with _Worker(server_s) as worker:
+        sized = SGLangSettings(url=worker.url, max_connections=episodes + 16)
+        one_pool = sized.max_connections
+        cases = (
+            ("one httpx pool, default (100)", [httpx.Limits()]),
+            (
+                f"one pool of {one_pool}",
+                [httpx.Limits(max_connections=one_pool, max_keepalive_connections=one_pool)],
+            ),
+            (
+                f"{sized.clients()} pools of {sized.connections_per_client} (the engine's)",
+                [sized.http_limits()] * sized.clients(),
+            ),
+        )
+        for label, pools in cases:
+            waits: list[float] = []
+            clients = [
+                httpx.AsyncClient(transport=_timed_transport(limits, waits))  # type: ignore[arg-type]
+                for limits in pools
+            ]
+            engine = SGLangEngine(sized, client=clients[0])
+            engine._generate_clients = clients  # the pools under test
+            request = GenerateRequest(
+                input_ids=tuple(REPLY), sampling=SamplingParams(max_new_tokens=16)
+            )
+
+            async def one(
+                rid: str, engine: SGLangEngine = engine, request: GenerateRequest = request
+            ) -> None:
+                await engine.generate(request.model_copy(update={"rid": rid}))
+
+            walls = []
+            for round_ in range(3):  # the first round opens the connections
+                waits.clear()
+                start = time.perf_counter()
+                await asyncio.gather(*(one(f"{round_}-{i}") for i in range(episodes)))
+                walls.append(time.perf_counter() - start)
+            for client in clients:
+                await client.aclose()
+            waits.sort()
+            print(
+                f"  {label:34s} wall per round {walls[1]:5.2f} s, {walls[2]:5.2f} s "
+                f"(server {server_s:.2f} s)  wait for a connection p50 "
+                f"{statistics.median(waits) * 1e3:6.1f} ms  p99 {_pct(waits, 99) * 1e3:6.1f} ms"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=20)
@@ -137,7 +278,16 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--pg-url", default=DEFAULT_ADMIN_URL)
+    parser.add_argument("--pool", type=int, default=0, help="live episodes for the pool check")
+    parser.add_argument("--server-s", type=float, default=1.0)
+    parser.add_argument("--serve-mock", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_mock:
+        serve_mock(args.serve_mock, args.server_s)
+        return
+    if args.pool:
+        asyncio.run(pool_wait(args.pool, args.server_s))
+        return
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; PostgreSQL")
     with scratch_database(args.pg_url, prefix="agentflow_bench") as url:
         asyncio.run(bench(url, args))

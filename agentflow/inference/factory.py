@@ -75,6 +75,8 @@ def build_engine(config: RunConfig) -> tuple[Engine, int]:
             behind_router=len(urls) == 1 and engine_config.behind_router,
             generate_timeout_s=engine_config.timeout_s,
             resubmit_aborted=config.rollout.partial_rollout,
+            # Every live episode may be generating at once, plus control calls.
+            max_connections=config.rollout.max_concurrency + 16,
         )
         return SGLangEngine(settings), engine_config.max_context
     raise InvalidInput(f"unknown engine type {engine_config!r}", field=("engine",))

@@ -26,6 +26,7 @@ seeded one restarts its seed, so its tokens differ from an uninterrupted run's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from typing import Any
 
@@ -79,6 +80,27 @@ class SGLangSettings(BaseModel):
         description="the served model takes images; None: ask /model_info "
         "(`has_image_understanding`) once",
     )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="HTTP connections to the servers: at least the generations in flight "
+        "(the run's concurrent episodes), or requests queue in the client's pool",
+    )
+    connections_per_client: int = Field(
+        default=16,
+        ge=1,
+        description="connections per pooled client: one httpx pool of hundreds of "
+        "connections spends seconds of CPU a round assigning them (bench/gateway_overhead.py "
+        "--pool), so generations spread over several small ones",
+    )
+
+    def http_limits(self) -> httpx.Limits:
+        """The limits of each of the `clients()` pools."""
+        per = min(self.max_connections, self.connections_per_client)
+        return httpx.Limits(max_connections=per, max_keepalive_connections=per)
+
+    def clients(self) -> int:
+        return -(-self.max_connections // self.connections_per_client)
 
 
 class SGLangEngine:
@@ -88,7 +110,17 @@ class SGLangEngine:
         self.settings = settings
         self._url = settings.url.rstrip("/")
         self._own_client = client is None
-        self._client = client or httpx.AsyncClient()
+        # Generations go round-robin over small pools (`connections_per_client`); control
+        # calls use the first. An injected client is used alone.
+        self._generate_clients = (
+            [client]
+            if client is not None
+            else [
+                httpx.AsyncClient(limits=settings.http_limits()) for _ in range(settings.clients())
+            ]
+        )
+        self._next_client = itertools.count()
+        self._client = self._generate_clients[0]
         self._router = RouterWorkers(
             self._url,
             client=self._client,
@@ -139,8 +171,9 @@ class SGLangEngine:
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
         headers = {wire.ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
+        clients = self._generate_clients
         answer = await call(
-            self._client,
+            clients[next(self._next_client) % len(clients)],
             "POST",
             f"{self._url}/generate",
             policy=self.settings.retry,
@@ -401,4 +434,5 @@ class SGLangEngine:
 
     async def close(self) -> None:
         if self._own_client:
-            await self._client.aclose()
+            for client in self._generate_clients:
+                await client.aclose()

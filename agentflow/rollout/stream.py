@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, cast
 
+import orjson
 from sqlalchemy import Table, and_, case, func, or_, select, update
 
 from agentflow.db.models import Episode, Run
@@ -424,7 +425,7 @@ class HttpTrajectoryStream:
                 response.status_code, AgentFlowError
             )
             raise cls(f"trajectory stream {route}: HTTP {response.status_code}: {response.text}")
-        return response.json() if response.content else None
+        return orjson.loads(response.content) if response.content else None
 
     async def pull(
         self, max_n: int, timeout: float = 0.0, lease_id: str | None = None

@@ -2,19 +2,24 @@
 
 The split form's trainer (`agentflow trainer --gateway URL`) leases and acknowledges
 through these; they run the same `DbTrajectoryStream` code as the embedded trainer.
+
+A lease carries whole trajectories (tokens, log-probs, masks): it is encoded by orjson
+straight from the dataclasses, not walked by FastAPI's encoder (`bench/lease_latency.py`
+measures both).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict
-from typing import Any
+from collections.abc import Sequence
 
-from fastapi import APIRouter
+import orjson
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentflow.api.deps import API_KEY, RunManagerDep
 from agentflow.api.routing import GatewayRoute
+from agentflow.types import Trajectory
 
 router = APIRouter(
     prefix="/v1/runs/{run_id}/trajectories",
@@ -54,11 +59,23 @@ class RejectRequest(BaseModel):
     error: str = Field(min_length=1, max_length=10_000, description="why the trainer refused it")
 
 
-@router.post("/lease")
-async def lease(run_id: uuid.UUID, body: LeaseRequest, manager: RunManagerDep) -> dict[str, Any]:
+@router.post("/lease", response_model=None)
+async def lease(run_id: uuid.UUID, body: LeaseRequest, manager: RunManagerDep) -> Response:
+    """`{"trajectories": [...]}`, each a `Trajectory` as JSON."""
     stream = await manager.stream(run_id)
     served = await stream.pull(body.max_n, body.timeout_s, body.lease_id)
-    return {"trajectories": [asdict(t) for t in served]}
+    return Response(lease_body(served), media_type="application/json")
+
+
+def lease_body(served: Sequence[Trajectory]) -> bytes:
+    return orjson.dumps({"trajectories": served}, default=_uuid_text)
+
+
+def _uuid_text(value: object) -> str:
+    """UUIDs orjson does not know as such: asyncpg's own UUID type, a subclass."""
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 @router.post("/ack")

@@ -229,7 +229,14 @@ def test_every_route_authenticates_and_parses_the_one_way() -> None:
     app = create_app(Settings(database_url="sqlite+aiosqlite:///unused.db"))
     # The OpenAI-compatible routes authenticate and parse in the handler (same rules),
     # to answer in OpenAI's error shape; the health checks need neither.
-    exempt = {"/v1/chat/completions", "/v1/episodes/{episode_id}/chat/completions", "/v1/models"}
+    exempt = {
+        "/v1/chat/completions",
+        "/v1/episodes/{episode_id}/chat/completions",
+        "/v1/responses",
+        "/v1/episodes/{episode_id}/responses",
+        "/v1/models",
+        "/v1/models/{model_id:path}",
+    }
     routes = api_routes(app)
     assert len(routes) >= 25
     for route in routes:
