@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+import orjson
 import tenacity
 
 from agentflow.api.schemas.common import Page
@@ -34,6 +35,7 @@ from agentflow.errors import (
     Unauthorized,
 )
 from agentflow.run_config import RunConfig
+from agentflow.types import Trajectory
 
 T = TypeVar("T")
 
@@ -55,6 +57,12 @@ class _Call(Generic[T]):
     parse: Callable[[Any], T]
     json: Any = None
     params: dict[str, Any] = field(default_factory=dict)
+    text: bool = False  # the answer is text (Prometheus), not JSON
+
+    def answer(self, response: httpx.Response) -> T:
+        if self.text:
+            return self.parse(response.text)
+        return self.parse(orjson.loads(response.content) if response.content else None)
 
 
 def _raise_for_status(response: httpx.Response) -> None:
@@ -74,6 +82,12 @@ def _raise_for_status(response: httpx.Response) -> None:
 
 def _none(_: Any) -> None:
     return None
+
+
+def _trajectories(answer: Any) -> list[Trajectory]:
+    from agentflow.rollout.stream import trajectory_from_json
+
+    return [trajectory_from_json(t) for t in answer["trajectories"]]
 
 
 class _Endpoints:
@@ -164,6 +178,57 @@ class _Endpoints:
         body = {"version": version, "path": path}
         return _Call("POST", f"/v1/runs/{run_id}/weights", lambda r: int(r["version"]), json=body)
 
+    @staticmethod
+    def run_metrics(run_id: uuid.UUID | str) -> _Call[dict[str, Any]]:
+        return _Call("GET", f"/v1/runs/{run_id}/metrics", dict)
+
+    @staticmethod
+    def record_metrics(
+        run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+    ) -> _Call[None]:
+        body = {"version": version, "metrics": metrics}
+        return _Call("POST", f"/v1/runs/{run_id}/metrics", _none, json=body)
+
+    @staticmethod
+    def lease(
+        run_id: uuid.UUID | str, max_n: int, timeout_s: float = 0.0, lease_id: str | None = None
+    ) -> _Call[list[Trajectory]]:
+        body = {"max_n": max_n, "timeout_s": timeout_s, "lease_id": lease_id}
+        return _Call(
+            "POST",
+            f"/v1/runs/{run_id}/trajectories/lease",
+            _trajectories,
+            json=body,
+        )
+
+    @staticmethod
+    def ack(
+        run_id: uuid.UUID | str, ids: list[uuid.UUID] | list[str], lease_id: str | None = None
+    ) -> _Call[int]:
+        body = {"ids": [str(i) for i in ids], "lease_id": lease_id}
+        path = f"/v1/runs/{run_id}/trajectories/ack"
+        return _Call("POST", path, lambda r: int(r["acked"]), json=body)
+
+    @staticmethod
+    def reject(
+        run_id: uuid.UUID | str, trajectory_id: uuid.UUID | str, error: str, lease_id: str | None
+    ) -> _Call[None]:
+        body = {"id": str(trajectory_id), "lease_id": lease_id, "error": error}
+        return _Call("POST", f"/v1/runs/{run_id}/trajectories/reject", _none, json=body)
+
+    @staticmethod
+    def reclaim(run_id: uuid.UUID | str) -> _Call[int]:
+        path = f"/v1/runs/{run_id}/trajectories/reclaim"
+        return _Call("POST", path, lambda r: int(r["reclaimed"]))
+
+    @staticmethod
+    def list_models() -> _Call[list[str]]:
+        return _Call("GET", "/v1/models", lambda r: [m["id"] for m in r["data"]])
+
+    @staticmethod
+    def prometheus_metrics() -> _Call[str]:
+        return _Call("GET", "/metrics", str, text=True)
+
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -189,7 +254,7 @@ class Client:
             call.method, call.path, json=call.json, params=call.params or None
         )
         _raise_for_status(response)
-        return call.parse(response.json() if response.content else None)
+        return call.answer(response)
 
     def live(self) -> dict[str, Any]:
         """`/livez`: the gateway process answers (the database is not asked)."""
@@ -251,6 +316,51 @@ class Client:
         """Switch a live run's engines to the weights directory `path` as `version`."""
         return self._send(_Endpoints.update_weights(run_id, version, path))
 
+    def run_metrics(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """The trainer's metrics per weight version."""
+        return self._send(_Endpoints.run_metrics(run_id))
+
+    def record_metrics(
+        self, run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+    ) -> None:
+        """A trainer step's metrics, attached to the version it produced (split form)."""
+        return self._send(_Endpoints.record_metrics(run_id, version, metrics))
+
+    def lease(
+        self,
+        run_id: uuid.UUID | str,
+        max_n: int,
+        timeout_s: float = 0.0,
+        lease_id: str | None = None,
+    ) -> list[Trajectory]:
+        """Up to `max_n` trajectories from the run's stream (docs/async-rollout.md)."""
+        return self._send(_Endpoints.lease(run_id, max_n, timeout_s, lease_id))
+
+    def ack(
+        self, run_id: uuid.UUID | str, ids: list[uuid.UUID] | list[str], lease_id: str | None = None
+    ) -> int:
+        return self._send(_Endpoints.ack(run_id, ids, lease_id))
+
+    def reject(
+        self,
+        run_id: uuid.UUID | str,
+        trajectory_id: uuid.UUID | str,
+        error: str,
+        lease_id: str | None = None,
+    ) -> None:
+        return self._send(_Endpoints.reject(run_id, trajectory_id, error, lease_id))
+
+    def reclaim(self, run_id: uuid.UUID | str) -> int:
+        return self._send(_Endpoints.reclaim(run_id))
+
+    def list_models(self) -> list[str]:
+        """The models the live runs serve (`GET /v1/models`)."""
+        return self._send(_Endpoints.list_models())
+
+    def prometheus_metrics(self) -> str:
+        """`/metrics`, Prometheus text."""
+        return self._send(_Endpoints.prometheus_metrics())
+
     def close(self) -> None:
         self._http.close()
 
@@ -281,7 +391,7 @@ class AsyncClient:
             call.method, call.path, json=call.json, params=call.params or None
         )
         _raise_for_status(response)
-        return call.parse(response.json() if response.content else None)
+        return call.answer(response)
 
     async def live(self) -> dict[str, Any]:
         """`/livez`: the gateway process answers (the database is not asked)."""
@@ -343,6 +453,51 @@ class AsyncClient:
 
     async def update_weights(self, run_id: uuid.UUID | str, version: int, path: str) -> int:
         return await self._send(_Endpoints.update_weights(run_id, version, path))
+
+    async def run_metrics(self, run_id: uuid.UUID | str) -> dict[str, Any]:
+        """The trainer's metrics per weight version."""
+        return await self._send(_Endpoints.run_metrics(run_id))
+
+    async def record_metrics(
+        self, run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+    ) -> None:
+        """A trainer step's metrics, attached to the version it produced (split form)."""
+        return await self._send(_Endpoints.record_metrics(run_id, version, metrics))
+
+    async def lease(
+        self,
+        run_id: uuid.UUID | str,
+        max_n: int,
+        timeout_s: float = 0.0,
+        lease_id: str | None = None,
+    ) -> list[Trajectory]:
+        """Up to `max_n` trajectories from the run's stream (docs/async-rollout.md)."""
+        return await self._send(_Endpoints.lease(run_id, max_n, timeout_s, lease_id))
+
+    async def ack(
+        self, run_id: uuid.UUID | str, ids: list[uuid.UUID] | list[str], lease_id: str | None = None
+    ) -> int:
+        return await self._send(_Endpoints.ack(run_id, ids, lease_id))
+
+    async def reject(
+        self,
+        run_id: uuid.UUID | str,
+        trajectory_id: uuid.UUID | str,
+        error: str,
+        lease_id: str | None = None,
+    ) -> None:
+        return await self._send(_Endpoints.reject(run_id, trajectory_id, error, lease_id))
+
+    async def reclaim(self, run_id: uuid.UUID | str) -> int:
+        return await self._send(_Endpoints.reclaim(run_id))
+
+    async def list_models(self) -> list[str]:
+        """The models the live runs serve (`GET /v1/models`)."""
+        return await self._send(_Endpoints.list_models())
+
+    async def prometheus_metrics(self) -> str:
+        """`/metrics`, Prometheus text."""
+        return await self._send(_Endpoints.prometheus_metrics())
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -8,6 +8,9 @@ describe a state (episodes by status, parked sessions, engine queues) are read w
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -45,6 +48,38 @@ class GatewayMetrics:
         self.engine_running = Gauge(
             "agentflow_engine_running", "Requests decoding now", ["run"], registry=r
         )
+        self.engine_up = Gauge(
+            "agentflow_engine_up",
+            "1 when the run's engine answered the scrape in time, else 0",
+            ["run"],
+            registry=r,
+        )
+        self.chat_requests = Counter(
+            "agentflow_chat_requests",
+            "OpenAI-compatible requests of black-box agents, by API and outcome",
+            ["api", "outcome"],
+            registry=r,
+        )
+        self.trainer = Gauge(
+            "agentflow_trainer_metric",
+            "The latest trainer step's metrics (reward, loss, staleness, ...), by run",
+            ["run", "name"],
+            registry=r,
+        )
+        self.trainer_version = Gauge(
+            "agentflow_trainer_weight_version",
+            "The weight version the latest trainer step produced",
+            ["run"],
+            registry=r,
+        )
+
+    def record_step(self, run_id: str, version: int, metrics: Mapping[str, object]) -> None:
+        """A trainer step's finite numbers, as gauges."""
+        self.trainer_version.labels(run=run_id).set(version)
+        for name, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                if math.isfinite(value):
+                    self.trainer.labels(run=run_id, name=name).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ raised as the :mod:`envs.base` exception the server named, never retried. After 
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from typing import Any
 
@@ -105,7 +106,7 @@ class RemoteEnv:
                             self.session_id = None  # the server closed it
                         raise error
                     return response
-            await asyncio.sleep(0.1 * 2**attempt)
+            await asyncio.sleep(random.uniform(0.5, 1.0) * 0.1 * 2**attempt)  # jittered
         raise AssertionError("unreachable")
 
     def _check_open(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,11 +93,11 @@ class HttpSandbox:
                 resp = await self._http.post("/v1/exec", json=body, timeout=timeout)
             except httpx.TransportError as exc:
                 if attempt < self._retries:
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                    await asyncio.sleep(random.uniform(0.5, 1.0) * 0.2 * (attempt + 1))
                     continue
                 raise SandboxError(f"sandbox service unreachable: {exc}") from exc
             if resp.status_code in _RETRY_STATUS and attempt < self._retries:
-                await asyncio.sleep(0.2 * (attempt + 1))
+                await asyncio.sleep(random.uniform(0.5, 1.0) * 0.2 * (attempt + 1))
                 continue
             if resp.status_code == 422:
                 raise ValueError(f"sandbox service refused the request: {resp.text}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 import shutil
 import time
 import uuid
@@ -127,7 +128,8 @@ async def train(
                     failures += 1
                     await on_error(state.step + 1, exc.message)
                     first, longest = settings.teacher_retry_s
-                    await asyncio.sleep(min(longest, first * 2 ** (failures - 1)))
+                    wait = min(longest, first * 2 ** (failures - 1))
+                    await asyncio.sleep(random.uniform(0.5, 1.0) * wait)  # jittered
                     held = valid
                     continue
                 failures = 0

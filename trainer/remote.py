@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import sys
 import time
@@ -391,7 +392,13 @@ async def _train(
         )
 
         async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
-            report.record(step, {**summarize_batch(batch, state.version - 1), **metrics})
+            row = {**summarize_batch(batch, state.version - 1), **metrics}
+            report.record(step, row)
+            finite = {k: float(v) for k, v in row.items() if math.isfinite(float(v))}
+            try:  # the gateway stores and exports them; the run does not depend on it
+                await weights_api.record_metrics(run_id, state.version, finite)
+            except AgentFlowError as exc:
+                log.warning("step %d: the gateway did not take its metrics: %s", step, exc)
 
         async def on_error(step: int, message: str) -> None:
             report.error(step, message)

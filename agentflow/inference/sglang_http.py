@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,8 +30,9 @@ class RetryPolicy(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0.0)
 
     def delay(self, attempt: int) -> float:
-        """Sleep after failed attempt number `attempt` (1-based)."""
-        return float(min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
+        """Sleep after failed attempt number `attempt` (1-based): full jitter over the
+        exponential bound, so clients that failed together do not retry together."""
+        return random.uniform(0.0, min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1)))
 
 
 def _detail(resp: httpx.Response) -> str:

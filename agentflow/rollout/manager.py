@@ -153,8 +153,11 @@ class RunManager:
     async def record_metrics(
         self, run_id: uuid.UUID, version: int, metrics: dict[str, float]
     ) -> None:
-        """Attach a trainer step's metrics to the weight version it produced."""
+        """Attach a trainer step's metrics to the weight version it produced; the latest
+        are also `/metrics` gauges."""
         await self.runs.record_metrics(run_id, version, metrics)
+        if self.metrics is not None:
+            self.metrics.record_step(str(run_id), version, metrics)
 
     async def update_weights(self, run_id: uuid.UUID, update: WeightUpdate) -> int:
         """Switch a live run's engine to new weights (see `RunExecutor.update_weights`)."""

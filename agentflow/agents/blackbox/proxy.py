@@ -47,6 +47,7 @@ from agentflow.inference.base import (
     SessionRef,
     TokenObserver,
 )
+from agentflow.metrics import GatewayMetrics
 from agentflow.tokenization.chat import ChatTemplate
 from agentflow.types import OPEN_EPISODE_STATUSES, TurnKind, TurnNode, TurnRecord
 
@@ -70,10 +71,17 @@ class ChatAnswer:
 
 
 class ChatProxy:
-    def __init__(self, turns: TurnTree, runtimes: RuntimeRegistry, live: LiveEpisodes) -> None:
+    def __init__(
+        self,
+        turns: TurnTree,
+        runtimes: RuntimeRegistry,
+        live: LiveEpisodes,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.turns = turns
         self.runtimes = runtimes
         self.live = live
+        self.metrics = metrics
 
     async def complete(
         self,
@@ -128,6 +136,8 @@ class ChatProxy:
                     parent_id = found.parent.id if found.parent else None
                     new_id = await self.turns.add_turn(episode_id, parent_id, record)
                     path.append(_Written(new_id, tuple(found.new_tokens), kind))
+                    if self.metrics is not None:
+                        self.metrics.turns.labels(kind=kind).inc()
             if not path or path[-1].kind == "policy":
                 raise InvalidInput("the request adds no message after the last answer")
             return await self._generate(
@@ -198,6 +208,9 @@ class ChatProxy:
         )
         parent_id = path[-1].id
         await self.turns.add_turn(episode_id, parent_id, record, turn_id=turn_id)
+        if self.metrics is not None:
+            self.metrics.turns.labels(kind="policy").inc()
+            self.metrics.generate_seconds.observe(generate_s)
         if session is not None:
             state.session_rids.add(turn_id)
         return ChatAnswer(

@@ -110,14 +110,34 @@ async def _complete(request: Request, raw_id: str | None) -> Response:
         chat_request = parse_request(
             parse_json(await request.body(), loc=()), max_image_bytes=settings.max_image_bytes
         )
-        runtimes: RuntimeRegistry = request.app.state.runtimes
-        proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
+        proxy = _proxy(request)
         if chat_request.stream:
-            return await _stream(proxy, episode_id, chat_request)
+            response = await _stream(proxy, episode_id, chat_request)
+            _count(request, "chat", response.status_code)
+            return response
         answer = await proxy.complete(episode_id, chat_request)
     except Exception as exc:
-        return openai_error(_failure(exc))
+        return _counted(request, "chat", openai_error(_failure(exc)))
+    _count(request, "chat", 200)
     return JSONResponse(completion_of(answer, with_logprobs=bool(chat_request.logprobs)))
+
+
+def _proxy(request: Request) -> ChatProxy:
+    runtimes: RuntimeRegistry = request.app.state.runtimes
+    metrics = getattr(request.app.state, "metrics", None)
+    return ChatProxy(turn_tree(request.app), runtimes, live_episodes(request), metrics)
+
+
+def _count(request: Request, api: str, status: int) -> None:
+    """`agentflow_chat_requests{api, outcome}`: `ok`, or the error status."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.chat_requests.labels(api=api, outcome="ok" if status < 400 else str(status)).inc()
+
+
+def _counted(request: Request, api: str, response: JSONResponse) -> JSONResponse:
+    _count(request, api, response.status_code)
+    return response
 
 
 async def _stream(
@@ -210,11 +230,10 @@ async def _respond(request: Request, raw_id: str | None) -> Response:
         responses_request, chat_request = parse_responses_request(
             parse_json(await request.body(), loc=()), max_image_bytes=settings.max_image_bytes
         )
-        runtimes: RuntimeRegistry = request.app.state.runtimes
-        proxy = ChatProxy(turn_tree(request.app), runtimes, live_episodes(request))
-        answer = await proxy.complete(episode_id, chat_request)
+        answer = await _proxy(request).complete(episode_id, chat_request)
     except Exception as exc:
-        return openai_error(_failure(exc))
+        return _counted(request, "responses", openai_error(_failure(exc)))
+    _count(request, "responses", 200)
     return JSONResponse(response_of(answer, responses_request))
 
 
@@ -239,10 +258,12 @@ async def chat(request: Request) -> Response:
 
 
 def _model_names(request: Request, settings: Settings) -> list[str]:
-    """The models of the live runs; the caller must hold the API key or an episode key."""
-    token = bearer_token(request)
-    if not is_api_key(token, settings):
-        episode_for_key(token, settings.secret_key)
+    """The models of the live runs: for the API key or an episode key, or for anyone on a
+    gateway without an API key (as its other routes are)."""
+    if settings.api_key or request.headers.get("authorization"):
+        token = bearer_token(request)
+        if not is_api_key(token, settings):
+            episode_for_key(token, settings.secret_key)
     runtimes: RuntimeRegistry = request.app.state.runtimes
     return list(dict.fromkeys(runtime.model_name for _, runtime in runtimes.items()))
 

@@ -6,6 +6,7 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, status
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 
 from agentflow.api.deps import API_KEY, RunManagerDep, SessionDep
@@ -116,6 +117,23 @@ async def stop_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDe
 async def _fresh(session: SessionDep, run_id: uuid.UUID) -> Run:
     session.expire_all()
     return await _get(session, run_id)
+
+
+class MetricsRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, description="the weight version the step produced")
+    metrics: dict[str, float] = Field(max_length=1000, description="the step's numbers")
+
+
+@router.post("/{run_id}/metrics", status_code=204)
+async def record_run_metrics(
+    run_id: uuid.UUID, body: MetricsRecord, session: SessionDep, manager: RunManagerDep
+) -> None:
+    """A trainer step's metrics (the split trainer sends each step's): stored with the
+    weight version, and exported on `/metrics`."""
+    await _get(session, run_id)
+    await manager.record_metrics(run_id, body.version, body.metrics)
 
 
 @router.get("/{run_id}/metrics")

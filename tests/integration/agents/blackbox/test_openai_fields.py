@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -165,3 +166,27 @@ async def test_a_model_is_found_by_its_id(gateway: Any, run_id: uuid.UUID) -> No
         assert found.id == "tiny-policy" and found.object == "model"
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("gpt-nothing")
+
+
+def _sample(scrape: str, name: str) -> float:
+    lines = [line for line in scrape.splitlines() if line.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+async def test_black_box_requests_show_in_prometheus(gateway: Any, run_id: uuid.UUID) -> None:
+    ok = 'agentflow_chat_requests_total{api="chat",outcome="ok"}'
+    refused = 'agentflow_chat_requests_total{api="chat",outcome="400"}'
+    policy = 'agentflow_turns_total{kind="policy"}'
+    async with httpx.AsyncClient() as http:
+        before = (await http.get(f"{gateway.url}/metrics")).text
+        async with client_for(gateway, gateway.new_episode(run_id)) as client:
+            await client.chat.completions.create(model="m", messages=QUESTION)
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(
+                    model="m", messages=QUESTION, tool_choice="required"
+                )
+        after = (await http.get(f"{gateway.url}/metrics")).text
+    assert _sample(after, ok) == _sample(before, ok) + 1
+    assert _sample(after, refused) == _sample(before, refused) + 1
+    assert _sample(after, policy) == _sample(before, policy) + 1
+    assert "agentflow_generate_seconds_count" in after

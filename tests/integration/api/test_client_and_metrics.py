@@ -1,0 +1,71 @@
+"""The typed client on the routes a trainer and an operator use (trajectory stream, run
+metrics, models, Prometheus), and `/metrics` that a dead engine cannot hold up."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from agentflow.agents.runtime import PolicyRuntime
+from agentflow.api.app import create_app
+from agentflow.client import AsyncClient
+from agentflow.config import Settings
+from agentflow.db.models import WeightVersion
+from agentflow.inference.sglang import SGLangEngine, SGLangSettings
+from agentflow.tokenization.chat import ByteChatTemplate
+from tests.integration.rollout.stream_fixtures import finished_group, make_run
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def app(settings: Settings) -> FastAPI:
+    return create_app(settings)
+
+
+async def test_the_typed_client_leases_acks_and_reports_metrics(app: FastAPI) -> None:
+    async with app.router.lifespan_context(app):
+        turns = app.state.turn_tree
+        run = await make_run(turns)
+        await finished_group(turns, run, 1, reward=0.5)
+        async with turns.sessions.begin() as session:
+            session.add(WeightVersion(run_id=run, version=1, uri="x", metrics={}))
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+            (trajectory,) = await client.lease(run, 4)
+            assert trajectory.reward == 0.5 and trajectory.token_ids == (1, 2, 3, 4, 5)
+            assert await client.ack(run, [trajectory.id], trajectory.lease_id) == 1
+            assert await client.reclaim(run) == 0
+
+            await client.record_metrics(run, 1, {"reward": 0.75, "loss": 0.125})
+            versions = (await client.run_metrics(run))["versions"]
+            assert versions[0]["metrics"] == {"reward": 0.75, "loss": 0.125}
+            scrape = await client.prometheus_metrics()
+            assert f'agentflow_trainer_metric{{name="reward",run="{run}"}} 0.75' in scrape
+            assert f'agentflow_trainer_weight_version{{run="{run}"}} 1.0' in scrape
+            assert await client.list_models() == []
+
+
+async def test_a_scrape_does_not_wait_for_a_dead_engine(app: FastAPI) -> None:
+    # A server that takes connections and never answers: the engine is hung, not gone.
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        async with app.router.lifespan_context(app):
+            engine = SGLangEngine(SGLangSettings(url=url, control_timeout_s=60))
+            run = uuid.uuid4()
+            app.state.runtimes.register(run, PolicyRuntime(engine, ByteChatTemplate()))
+            transport = httpx.ASGITransport(app=app)
+            try:
+                async with AsyncClient("http://gateway", transport=transport) as client:
+                    scrape = await client.prometheus_metrics()
+            finally:
+                app.state.runtimes.remove(run)
+                await engine.close()
+    assert f'agentflow_engine_up{{run="{run}"}} 0.0' in scrape
+    assert "agentflow_episodes" in scrape  # the rest of the scrape is there
