@@ -356,6 +356,27 @@ class RolloutConfig(_Section):
         return self
 
 
+class LoraSettings(_Section):
+    """Low-rank adapters (through `peft`) instead of full fine-tuning: only the adapters
+    train; engines get the merged weights, checkpoints hold both."""
+
+    rank: int = Field(default=16, ge=1, le=4096, description="adapter rank r")
+    alpha: float = Field(default=32.0, gt=0, description="scale: the update is alpha / r * BA")
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        min_length=1,
+        description="module names that get adapters",
+    )
+
+
 class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = Field(
         default="torch", description="torch (CPU or CUDA); megatron is not available yet"
@@ -402,6 +423,13 @@ class TrainerConfig(_Section):
     threads: int | None = Field(
         default=None, ge=1, description="torch CPU threads; None: torch's default"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="bf16: forward passes under bf16 autocast"
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute layer activations in the backward pass"
+    )
+    lora: LoraSettings | None = Field(default=None, description="train adapters only (peft)")
 
     @field_validator("backend")
     @classmethod

@@ -31,6 +31,9 @@ def build_policy(config: RunConfig) -> TorchPolicy:
             lr=trainer.lr,
             max_grad_norm=trainer.max_grad_norm,
             batching=BatchingConfig(max_tokens_per_microbatch=trainer.max_tokens_per_microbatch),
+            precision=trainer.precision,
+            gradient_checkpointing=trainer.gradient_checkpointing,
+            lora=trainer.lora,
         ),
     )
 

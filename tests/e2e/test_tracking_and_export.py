@@ -40,9 +40,9 @@ run_dir = "{run_dir}"
 """
 
 
-def test_tensorboard_events_and_a_checkpoint_that_loads_with_transformers(tmp_path: Path) -> None:
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(steps=STEPS, run_dir=tmp_path / "runs"))
+def train(config: Path, text: str) -> None:
+    """`agentflow train` on `text`, written to `config`; it must succeed."""
+    config.write_text(text)
     done = subprocess.run(
         [sys.executable, "-m", "agentflow.cli", "train", str(config)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -51,6 +51,10 @@ def test_tensorboard_events_and_a_checkpoint_that_loads_with_transformers(tmp_pa
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_tensorboard_events_and_a_checkpoint_that_loads_with_transformers(tmp_path: Path) -> None:
+    train(tmp_path / "run.toml", CONFIG.format(steps=STEPS, run_dir=tmp_path / "runs"))
     run_dir = tmp_path / "runs" / "tracked"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -80,3 +84,38 @@ def test_tensorboard_events_and_a_checkpoint_that_loads_with_transformers(tmp_pa
         theirs = model(input_ids=batch).logits
         ours = load_model(model_dir)(input_ids=batch).logits
     assert torch.allclose(theirs, ours, atol=1e-5)
+
+
+def test_a_lora_bf16_checkpointed_run_trains_and_exports(tmp_path: Path) -> None:
+    """The trainer options through `agentflow train`: LoRA adapters under bf16 autocast
+    with gradient checkpointing; the engine gets merged weights each step, and the
+    checkpoint holds the merged model (loadable alone) and the adapters."""
+    config = tmp_path / "run.toml"
+    text = CONFIG.format(steps=2, run_dir=tmp_path / "runs").replace(
+        'name = "tracked"', 'name = "lora"'
+    )
+    text = text.replace('logger = ["tensorboard"]\n', "")
+    text += (
+        'precision = "bf16"\ngradient_checkpointing = true\n[trainer.lora]\nrank = 4\nalpha = 8\n'
+    )
+    config.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentflow.cli", "train", str(config)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "lora"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    # Each step published new (merged) weights to the engine.
+    assert 1 <= rows[0]["weight_version"] < rows[1]["weight_version"]
+    saved = run_dir / "checkpoints" / "step-00000002"
+    assert (saved / "adapters.safetensors").is_file()
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(saved / "model", local_files_only=True)
+    assert not any("lora" in name for name in model.state_dict())

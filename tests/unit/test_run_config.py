@@ -23,6 +23,7 @@ NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
 # Options the run would ignore or fail on late: (patch, loc, what the message says).
 REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
     ({"model": {"chat_template": "{{ x }}"}}, ("model",), "checkpoint's tokenizer"),
+    ({"logger": ["tensorboard", "tensorboard"]}, ("logger",), "each logger at most once"),
     (
         {"model": {"path": "/ckpt", "chat_template": "/no/such.jinja"}},
         ("model", "chat_template"),
@@ -164,6 +165,14 @@ def test_options_that_would_do_nothing_are_refused(
         {"warm_start": {"enabled": True}},
         {"envs": [{"id": "agentflow/lookup-v0"}], "warm_start": {"enabled": True, "p_oracle": 1}},
         {"teachers": []},
+        {
+            "trainer": {
+                "precision": "bf16",
+                "gradient_checkpointing": True,
+                "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+            },
+            "logger": ["tensorboard", "wandb"],
+        },
         {
             "model": {
                 "path": "/ckpt",

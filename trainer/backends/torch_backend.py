@@ -45,10 +45,12 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,6 +63,7 @@ from agentflow.modeling import (
     save_tokenizer_files,
     token_logprobs,
 )
+from agentflow.run_config import LoraSettings
 from agentflow.types import Trajectory
 from trainer.algorithms import (
     AlgorithmConfig,
@@ -93,6 +96,21 @@ class TorchBackendConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(default=1.0, gt=0, description="clip the global grad norm")
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="bf16: forward passes under bf16 autocast (weights, gradients and the "
+        "optimizer stay fp32; log-probs are taken in fp32 from bf16 logits)",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute each layer's activations in the backward pass"
+    )
+    lora: LoraSettings | None = Field(default=None, description="train low-rank adapters only")
+
+
+def _autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def _distributed() -> bool:
@@ -112,11 +130,19 @@ class TorchPolicy:
     ) -> None:
         self.config = config or TorchBackendConfig()
         self.device = torch.device(self.config.device)
+        if self.config.lora is not None:
+            if _distributed():
+                raise InvalidInput(
+                    "LoRA is not available with several trainer ranks yet", field="lora"
+                )
+            model = _with_adapters(model, self.config.lora)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.reference = None if reference is None else reference.to(self.device).eval()  # type: ignore[arg-type]
         if self.reference is not None:
             self.reference.requires_grad_(False)
         self.sharded = _distributed()
+        if self.config.gradient_checkpointing:
+            self._checkpoint_layers()
         if self.sharded:
             self._shard()
         self.optimizer = torch.optim.AdamW(
@@ -129,6 +155,37 @@ class TorchPolicy:
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
 
     # -- forward ------------------------------------------------------------------------
+
+    def _checkpoint_layers(self) -> None:
+        """HF checkpoints a layer only in training mode; `_training` switches to it for the
+        gradient passes. Training mode must not change the forward (ratios need it
+        deterministic), so a model with dropout is refused."""
+        config = self.model.config
+        rates = {
+            name: float(getattr(config, name, 0.0) or 0.0)
+            for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop")
+        }
+        if any(rates.values()):
+            raise InvalidInput(
+                f"gradient checkpointing runs the layers in training mode, and this model "
+                f"has dropout ({rates}): the forward would not be deterministic",
+                field="gradient_checkpointing",
+            )
+        self.model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
+
+    @contextmanager
+    def _training(self) -> Iterator[None]:
+        """The gradient passes: training mode where checkpointing needs it, then eval."""
+        if not self.config.gradient_checkpointing:
+            yield
+            return
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     def _shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -161,11 +218,13 @@ class TorchPolicy:
             "attention_mask": mb.attention_mask,
             "use_cache": False,
         }
-        if self.sharded:
-            logits = model(**inputs).logits[select]
-        else:
-            hidden = model.get_decoder()(**inputs).last_hidden_state
-            logits = model.get_output_embeddings()(hidden[select])
+        with _autocast(self.device, self.config.precision):
+            if self.sharded:
+                logits = model(**inputs).logits[select]
+            else:
+                hidden = model.get_decoder()(**inputs).last_hidden_state
+                logits = model.get_output_embeddings()(hidden[select])
+        logits = logits.float()
         logp = token_logprobs(logits, mb.targets[select], temperature)
         if full is not None:
             scaled = logits / temperature if temperature > 0 else logits
@@ -256,74 +315,80 @@ class TorchPolicy:
         losses, norms = [], []
         skipped = 0
         params = [p for p in self.model.parameters() if p.requires_grad]
-        for part in minibatches:
-            total = float(sum(mb.num_policy_tokens for mb in part))
-            count = len(part)
-            if self.sharded:
-                total, count = _global_sum_and_max(total, count, self.device)
-            self.optimizer.zero_grad(set_to_none=True)
-            part_loss = 0.0
-            for k in range(count):
-                mb = part[min(k, len(part) - 1)]
-                dummy = k >= len(part)  # FSDP: a short rank repeats one, with no weight
+        with self._training():  # checkpointed layers recompute in training mode
+            for part in minibatches:
+                total = float(sum(mb.num_policy_tokens for mb in part))
+                count = len(part)
                 if self.sharded:
-                    self.model.set_requires_gradient_sync(k == count - 1)
-                full: list[torch.Tensor] | None = (
-                    [] if distill is not None and distill.estimator == "full" else None
-                )
-                logp, ent = self._selected_logprobs(
-                    self.model, mb, temperature, mb.loss_mask, entropy=algorithm.entropy, full=full
-                )
-                weights = mb.policy_values(mb.loss_weights) * (0.0 if dummy else 1.0)
-                advantages_mb = mb.policy_values(mb.advantages)
-                kl_loss = None
-                if distill is not None:
-                    advantages_mb, kl_loss, kl_sums = distill_terms(
-                        distill,
+                    total, count = _global_sum_and_max(total, count, self.device)
+                self.optimizer.zero_grad(set_to_none=True)
+                part_loss = 0.0
+                for k in range(count):
+                    mb = part[min(k, len(part) - 1)]
+                    dummy = k >= len(part)  # FSDP: a short rank repeats one, with no weight
+                    if self.sharded:
+                        self.model.set_requires_gradient_sync(k == count - 1)
+                    full: list[torch.Tensor] | None = (
+                        [] if distill is not None and distill.estimator == "full" else None
+                    )
+                    logp, ent = self._selected_logprobs(
+                        self.model,
+                        mb,
+                        temperature,
+                        mb.loss_mask,
+                        entropy=algorithm.entropy,
+                        full=full,
+                    )
+                    weights = mb.policy_values(mb.loss_weights) * (0.0 if dummy else 1.0)
+                    advantages_mb = mb.policy_values(mb.advantages)
+                    kl_loss = None
+                    if distill is not None:
+                        advantages_mb, kl_loss, kl_sums = distill_terms(
+                            distill,
+                            logp,
+                            advantages_mb,
+                            weights,
+                            mb,
+                            student_full=full[0] if full else None,
+                            normalizer=total,
+                        )
+                        if not dummy:
+                            for name, value in kl_sums.items():
+                                kl_by_teacher[name] += value
+                    loss, metrics = policy_loss(
                         logp,
+                        fixed_prox.get(id(mb), logp.detach()),
+                        mb.policy_values(mb.behaviour_logprobs),
                         advantages_mb,
                         weights,
-                        mb,
-                        student_full=full[0] if full else None,
+                        algorithm,
                         normalizer=total,
+                        logp_ref=fixed_ref.get(id(mb)),
                     )
-                    if not dummy:
-                        for name, value in kl_sums.items():
-                            kl_by_teacher[name] += value
-                loss, metrics = policy_loss(
-                    logp,
-                    fixed_prox.get(id(mb), logp.detach()),
-                    mb.policy_values(mb.behaviour_logprobs),
-                    advantages_mb,
-                    weights,
-                    algorithm,
-                    normalizer=total,
-                    logp_ref=fixed_ref.get(id(mb)),
+                    if kl_loss is not None:
+                        loss = loss + kl_loss
+                    loss.backward()
+                    if dummy:
+                        continue
+                    part_loss += float(loss.detach())
+                    n = metrics.pop("tokens")
+                    max_is_weight = max(max_is_weight, metrics.pop("max_is_weight"))
+                    for key, value in metrics.items():
+                        sums[key] += value * n
+                    sums["policy_tokens"] += n
+                    if ent is not None:
+                        sums["entropy"] += float(ent.sum())
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+                norm = float(
+                    grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 )
-                if kl_loss is not None:
-                    loss = loss + kl_loss
-                loss.backward()
-                if dummy:
-                    continue
-                part_loss += float(loss.detach())
-                n = metrics.pop("tokens")
-                max_is_weight = max(max_is_weight, metrics.pop("max_is_weight"))
-                for key, value in metrics.items():
-                    sums[key] += value * n
-                sums["policy_tokens"] += n
-                if ent is not None:
-                    sums["entropy"] += float(ent.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-            norm = float(
-                grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            )
-            if math.isfinite(norm):
-                self.optimizer.step()
-            else:  # a non-finite gradient would poison AdamW's moments: skip the update
-                skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            losses.append(part_loss)
-            norms.append(norm)
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                else:  # a non-finite gradient would poison AdamW's moments: skip the update
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(part_loss)
+                norms.append(norm)
 
         seconds = time.perf_counter() - started
         policy_tokens = sums.pop("policy_tokens")
@@ -362,7 +427,16 @@ class TorchPolicy:
 
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
+        if self.config.lora is not None:
+            return merged_state_dict(self.model)
         return {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The HF model under any adapter wrapper (its config, its save_pretrained)."""
+        if self.config.lora is not None:
+            return cast("PreTrainedModel", self.model.get_base_model())
+        return self.model
 
     def save_checkpoint(
         self,
@@ -392,7 +466,17 @@ class TorchPolicy:
         tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            if model_state is None:
+            if self.config.lora is not None:
+                # The merged model, loadable alone; the adapters resume training.
+                self.hf_model.save_pretrained(
+                    tmp / MODEL_DIR, state_dict=merged_state_dict(self.model)
+                )
+                init = getattr(self.hf_model.config, "agentflow_init", None)
+                if init is not None:
+                    (tmp / MODEL_DIR / MODEL_INIT_FILE).write_text(json.dumps(init, indent=2))
+                save_tokenizer_files(self.hf_model, tmp / MODEL_DIR)
+                _save_adapters(self.model, tmp / ADAPTER_FILE)
+            elif model_state is None:
                 save_model(self.model, tmp / MODEL_DIR)
             else:
                 self.model.save_pretrained(tmp / MODEL_DIR, state_dict=model_state)
@@ -437,8 +521,12 @@ class TorchPolicy:
         state = json.loads(state_file.read_text())
         if state.get("format") != CHECKPOINT_FORMAT:
             raise InvalidInput(f"unknown checkpoint format {state.get('format')!r}", field="format")
-        weights = load_model(path / MODEL_DIR).state_dict()
         optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if self.config.lora is not None:
+            _load_adapters(self.model, path / ADAPTER_FILE)
+            self.optimizer.load_state_dict(optim)
+            return int(state["step"]), int(state["weight_version"]), dict(state["extra"])
+        weights = load_model(path / MODEL_DIR).state_dict()
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -453,6 +541,73 @@ class TorchPolicy:
             self.model.load_state_dict(weights, strict=True)
             self.optimizer.load_state_dict(optim)
         return int(state["step"]), int(state["weight_version"]), dict(state["extra"])
+
+
+ADAPTER_FILE = "adapters.safetensors"
+
+
+def _with_adapters(model: PreTrainedModel, lora: LoraSettings) -> Any:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise InvalidInput(
+            f"trainer.lora needs peft ({exc}): pip install 'agentflow[lora]'", field="lora"
+        ) from None
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft types it int, takes a float
+        lora_dropout=0.0,  # ratios need a deterministic forward
+        target_modules=list(lora.target_modules),
+        bias="none",
+    )
+    try:
+        with warnings.catch_warnings():
+            # peft asks transformers 5's deprecated `is_gradient_checkpointing`.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as exc:  # no module matched, say
+        raise InvalidInput(f"trainer.lora: {exc}", field="lora") from None
+
+
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """HF parameter names → weights with each adapter's update added (W + alpha/r * BA),
+    detached on the CPU; the model is not changed. What engines load."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        out[name.replace(".base_layer.", ".")] = tensor.detach().cpu()
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                key = f"{name}.weight"
+                # Each concrete adapter layer (Linear, ...) defines it; the base class not.
+                delta = module.get_delta_weight("default").detach().cpu()  # type: ignore[attr-defined]
+                out[key] = out[key] + delta.to(out[key].dtype)
+    return out
+
+
+def _save_adapters(model: Any, path: Path) -> None:
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = get_peft_model_state_dict(model)
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
+
+
+def _load_adapters(model: Any, path: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise NotFound(f"no adapters at {path}: the checkpoint was not written with LoRA")
+    result = set_peft_model_state_dict(model, load_file(str(path)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise InvalidInput(f"the checkpoint's adapters do not fit: {unexpected[:3]}", field="lora")
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:

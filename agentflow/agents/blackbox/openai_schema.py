@@ -22,7 +22,7 @@ log-probs must all come from one behaviour distribution for training to be corre
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -262,17 +262,26 @@ class ChatCompletionRequest(BaseModel):
 MAX_IMAGE_BYTES = 8 << 20
 
 
-def parse_request(body: Any, *, max_image_bytes: int = MAX_IMAGE_BYTES) -> ChatCompletionRequest:
-    """Validate a decoded JSON body; `InvalidInput` naming the first bad field. Image
-    parts are decoded here (data URLs only, PNG or JPEG, `max_image_bytes` each)."""
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validated(model: type[Body], body: Any) -> Body:
+    """`body` (decoded JSON) as `model`; `InvalidInput` naming the first bad field, as
+    OpenAI's `param` does."""
     if not isinstance(body, dict):
         raise InvalidInput("the request body must be a JSON object", field="body")
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise InvalidInput(f"{where}: {first['msg']}", field=where) from exc
+
+
+def parse_request(body: Any, *, max_image_bytes: int = MAX_IMAGE_BYTES) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; `InvalidInput` naming the first bad field. Image
+    parts are decoded here (data URLs only, PNG or JPEG, `max_image_bytes` each)."""
+    request = validated(ChatCompletionRequest, body)
     if request.top_logprobs and not request.logprobs:
         raise InvalidInput("top_logprobs: needs logprobs = true", field="top_logprobs")
     if request.messages[-1].role == "assistant":

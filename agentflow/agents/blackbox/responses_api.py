@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentflow.agents.blackbox.matching import tool_call_id
-from agentflow.agents.blackbox.openai_schema import ChatCompletionRequest, parse_request
+from agentflow.agents.blackbox.openai_schema import (
+    ChatCompletionRequest,
+    parse_request,
+    validated,
+)
 from agentflow.agents.blackbox.proxy import ChatAnswer
 from agentflow.agents.blackbox.responses import extension_of, token_entries
 from agentflow.errors import InvalidInput
@@ -183,14 +187,7 @@ def parse_responses_request(
     body: Any, *, max_image_bytes: int
 ) -> tuple[ResponsesRequest, ChatCompletionRequest]:
     """Validate a `/v1/responses` body and turn it into the chat request it stands for."""
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object", field="body")
-    try:
-        request = ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidInput(f"{where}: {first['msg']}", field=where) from exc
+    request = validated(ResponsesRequest, body)
     chat: dict[str, Any] = {
         "model": request.model,
         "messages": chat_messages(request),

@@ -21,6 +21,7 @@ from agentflow.types import StoredTurn
 from envs.base import Observation, ToolCallsAction
 from envs.builtin.lookup import LookupEnv, oracle
 from tests.integration.agents.blackbox.conftest import TINY
+from tests.support.teach import teach
 
 pytestmark = pytest.mark.integration
 
@@ -199,10 +200,7 @@ async def test_recording_and_branching_on_postgresql(pg_stack) -> None:
 def tool_calling_run(gateway, engine) -> Iterator[tuple[uuid.UUID, str]]:
     """A run whose tiny model was taught (a few dozen steps of teacher forcing on one
     sequence) to answer this episode's first request with a real `lookup` call."""
-    import torch
-
     from agentflow.inference.local import LocalEngine
-    from agentflow.modeling import build_model
 
     env = LookupEnv(hops=2)
     first = asyncio.run(env.reset(seed=7))
@@ -215,20 +213,8 @@ def tool_calling_run(gateway, engine) -> Iterator[tuple[uuid.UUID, str]]:
         *template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>", allow_special=True),
         template.tokenizer.end_id,
     ]
-    torch.manual_seed(0)
-    model = build_model(TINY, seed=0)
-    ids = torch.tensor([prompt + target])
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(200):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.02:
-            break
-    local = LocalEngine(model.eval(), max_context=TINY.max_context)
+    model = teach(TINY, prompt, target, steps=200)
+    local = LocalEngine(model, max_context=TINY.max_context)
     runtime = PolicyRuntime(
         engine=local,
         template=template,

@@ -18,6 +18,7 @@ from agentflow.inference.local import LocalEngine
 from agentflow.tokenization.chat import ByteChatTemplate
 from tests.integration.agents.blackbox.conftest import TINY
 from tests.integration.agents.blackbox.test_openai_client import client_for
+from tests.support.teach import teach
 
 pytestmark = pytest.mark.integration
 
@@ -99,10 +100,6 @@ async def test_unsupported_responses_fields_are_refused_by_name(
 def sdk_runs(gateway: Any, engine: Any, run_id: uuid.UUID) -> Iterator[tuple[uuid.UUID, Any]]:
     """The Agents SDK's first request, as the gateway renders it, and a run whose tiny
     model was taught to answer exactly that request with a `lookup` call."""
-    import torch
-
-    from agentflow.modeling import build_model
-
     episode = gateway.new_episode(run_id)
     # The random model answers with text, cut at the token limit (a response the SDK
     # ends with an error of its own); the request is what this run is for.
@@ -116,20 +113,8 @@ def sdk_runs(gateway: Any, engine: Any, run_id: uuid.UUID) -> Iterator[tuple[uui
         *template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>", allow_special=True),
         template.tokenizer.end_id,
     ]
-    torch.manual_seed(0)
-    model = build_model(TINY, seed=0)
-    ids = torch.tensor([prompt + target])
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.02:
-            break
-    local = LocalEngine(model.eval(), max_context=TINY.max_context)
+    model = teach(TINY, prompt, target)
+    local = LocalEngine(model, max_context=TINY.max_context)
     runtime = PolicyRuntime(
         engine=local,
         template=template,
