@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import httpx
@@ -40,9 +41,16 @@ from agentflow.inference.base import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    TokenObserver,
     WeightUpdate,
 )
-from agentflow.inference.sglang_http import RetryPolicy, call, expect_dict, expect_success
+from agentflow.inference.sglang_http import (
+    RetryPolicy,
+    call,
+    call_stream,
+    expect_dict,
+    expect_success,
+)
 from agentflow.inference.sglang_router import RouterWorkers
 
 
@@ -137,15 +145,24 @@ class SGLangEngine:
     # ---- generation -------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return await self.generate_observed(req, None)
+
+    async def generate_observed(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult:
+        """`generate`; with `observer`, streamed (`/generate` with `stream: true`) and
+        shown the tokens chunk by chunk (`StreamingEngine`)."""
         self._in_flight.add(req.rid)
         try:
-            return await self._generate_resubmitting(req)
+            return await self._generate_resubmitting(req, observer)
         finally:
             self._in_flight.discard(req.rid)
             self._aborted_by_caller.discard(req.rid)
 
-    async def _generate_resubmitting(self, req: GenerateRequest) -> GenerateResult:
-        result = await self._generate_once(req)
+    async def _generate_resubmitting(
+        self, req: GenerateRequest, observer: TokenObserver | None
+    ) -> GenerateResult:
+        result = await self._generate_once(req, observer)
         resubmits = 0
         while (
             result.finish_reason == "abort"
@@ -165,23 +182,49 @@ class SGLangEngine:
                     "sampling": req.sampling.model_copy(update={"max_new_tokens": remaining}),
                 }
             )
-            result = wire.stitch(result, await self._generate_once(more))
+            result = wire.stitch(result, await self._generate_once(more, observer))
             resubmits += 1
         return result
 
-    async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
+    async def _generate_once(
+        self, req: GenerateRequest, observer: TokenObserver | None = None
+    ) -> GenerateResult:
         headers = {wire.ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
         clients = self._generate_clients
+        client = clients[next(self._next_client) % len(clients)]
+
+        # A timed-out attempt may still run on the server, holding the rid: free it.
+        def free_rid() -> Awaitable[object]:
+            return self._broadcast("/abort_request", {"rid": req.rid}, retry=False)
+
+        if observer is not None:
+            streamed = wire.StreamedAnswer()
+
+            def on_chunk(chunk: dict[str, Any]) -> None:
+                ids, logprobs = streamed.add(chunk)
+                if ids:
+                    observer(ids, logprobs)
+
+            await call_stream(
+                client,
+                f"{self._url}/generate",
+                policy=self.settings.retry,
+                timeout_s=self.settings.generate_timeout_s,
+                body=wire.generate_body(req, stream=True),
+                on_chunk=on_chunk,
+                headers=headers,
+                before_retry=free_rid,
+            )
+            return wire.parse_generate(streamed.answer(), req.rid)
         answer = await call(
-            clients[next(self._next_client) % len(clients)],
+            client,
             "POST",
             f"{self._url}/generate",
             policy=self.settings.retry,
             timeout_s=self.settings.generate_timeout_s,
             body=wire.generate_body(req),
             headers=headers,
-            # A timed-out attempt may still run on the server, holding the rid: free it.
-            before_retry=lambda: self._broadcast("/abort_request", {"rid": req.rid}, retry=False),
+            before_retry=free_rid,
         )
         return wire.parse_generate(answer, req.rid)
 

@@ -100,6 +100,66 @@ async def call(
     raise EngineUnavailable(f"{method} {url} failed after {attempts} attempt(s): {last}")
 
 
+async def call_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    policy: RetryPolicy,
+    timeout_s: float,
+    body: dict[str, Any],
+    on_chunk: Callable[[dict[str, Any]], None],
+    headers: dict[str, str] | None = None,
+    before_retry: Callable[[], Awaitable[object]] | None = None,
+) -> dict[str, Any]:
+    """POST `body` to a server-sent-events route (`/generate` with `stream: true`): each
+    `data:` chunk goes to `on_chunk`; the last chunk is returned. Attempts are retried as
+    `call` retries them only until a chunk has been handed on; after that a failure is
+    `EngineUnavailable` (the caller has seen part of the answer)."""
+    timeout = httpx.Timeout(timeout_s, connect=min(policy.connect_timeout_s, timeout_s))
+    last = "no attempt made"
+    for attempt in range(1, policy.max_attempts + 1):
+        delivered = 0
+        final: dict[str, Any] | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with client.stream(
+                    "POST", url, json=body, headers=headers, timeout=timeout
+                ) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        if resp.status_code < 500:
+                            raise EngineRequestError(
+                                f"POST {url} refused with HTTP {resp.status_code}: {_detail(resp)}"
+                            )
+                        last = f"HTTP {resp.status_code}: {_detail(resp)}"
+                    else:
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data:"):
+                                continue
+                            data = line[len("data:") :].strip()
+                            if data == "[DONE]":
+                                break
+                            chunk = json.loads(data)
+                            if not isinstance(chunk, dict):
+                                raise EngineError(f"a stream chunk is not an object: {data[:200]}")
+                            on_chunk(chunk)
+                            delivered += 1
+                            final = chunk
+                        if final is None:
+                            raise EngineError(f"POST {url}: the stream ended with no chunk")
+                        return final
+        except (httpx.TransportError, TimeoutError, json.JSONDecodeError) as exc:
+            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if delivered:
+                raise EngineUnavailable(f"POST {url}: the stream broke: {last}") from exc
+        if attempt < policy.max_attempts:
+            await asyncio.sleep(policy.delay(attempt))
+            if before_retry is not None:
+                with contextlib.suppress(Exception):
+                    await before_retry()
+    raise EngineUnavailable(f"POST {url} failed after {policy.max_attempts} attempt(s): {last}")
+
+
 def expect_dict(answer: Any, what: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise EngineError(f"{what}: expected a JSON object, got {type(answer).__name__}")

@@ -104,6 +104,7 @@ class GenerateBody(_Body):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int | None = Field(default=None, ge=0)
+    stream: bool = False  # server-sent events, one chunk as tokens come (StreamedAnswer)
     session_params: SessionParamsBody | None = None
     # One entry per image placeholder in `input_ids`, in order: a data URL, a URL or a
     # path the server can read, or raw base64 (this client sends data URLs).
@@ -120,7 +121,6 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "video_data": None,
     "audio_data": None,
     "token_ids_logprob": None,
-    "stream": False,
     "return_hidden_states": False,
     "return_entropy": False,
     "lora_path": None,
@@ -225,7 +225,7 @@ def _given(**fields: Any) -> dict[str, Any]:
 # ---- our requests to bodies ------------------------------------------------------------
 
 
-def generate_body(req: GenerateRequest) -> dict[str, Any]:
+def generate_body(req: GenerateRequest, *, stream: bool = False) -> dict[str, Any]:
     """The `/generate` body for one request; log-probs always, of the output tokens only."""
     s = req.sampling
     session = None
@@ -250,6 +250,7 @@ def generate_body(req: GenerateRequest) -> dict[str, Any]:
             session_params=session,
             image_data=list(req.image_data) or None,
             top_logprobs_num=s.top_logprobs or None,
+            stream=stream or None,
         ),
     )
     return _dump(body)
@@ -362,6 +363,63 @@ def parse_generate(answer: Any, rid: str) -> GenerateResult:
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise EngineError(f"malformed /generate answer: {exc}") from exc
+
+
+class StreamedAnswer:
+    """The chunks of a streamed `/generate`, put back together.
+
+    SGLang's chunks carry the output so far or only what is new, by server flags and
+    release (`--stream-output`, `--incremental-streaming-output`); each chunk's
+    `meta_info.completion_tokens` counts the tokens so far, which tells the two apart,
+    and the log-prob lists follow their ids either way. `add` returns a chunk's new ids
+    and log-probs; `answer` is the whole answer as a non-streamed `/generate` gives it.
+    """
+
+    _LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+    def __init__(self) -> None:
+        self.output_ids: list[int] = []
+        self.lists: dict[str, list[Any]] = {key: [] for key in self._LISTS}
+        self.meta: dict[str, Any] = {}
+
+    def add(self, chunk: dict[str, Any]) -> tuple[list[int], list[float]]:
+        ids = [int(t) for t in chunk.get("output_ids") or []]
+        meta = chunk.get("meta_info")
+        if not isinstance(meta, dict):
+            raise EngineError("a stream chunk has no meta_info")
+        seen = len(self.output_ids)
+        total = meta.get("completion_tokens")
+        cumulative = total is not None and len(ids) == int(total) and len(ids) >= seen
+        new = ids[seen:] if cumulative else ids
+        if cumulative and ids[:seen] != self.output_ids:
+            raise EngineError("a cumulative stream chunk does not extend the earlier ones")
+        for key in self._LISTS:
+            raw = meta.get(key)
+            if raw is None:
+                continue
+            if not isinstance(raw, list):
+                raise EngineError(f"{key} in a stream chunk is not a list")
+            if len(raw) == seen + len(new):  # the whole list so far
+                self.lists[key] = list(raw)
+            elif len(raw) == len(new):  # the new tokens' entries
+                self.lists[key] += raw
+            else:
+                raise EngineError(
+                    f"{key} has {len(raw)} entries for {len(new)} new of {seen + len(new)} tokens"
+                )
+        self.output_ids += new
+        self.meta = meta
+        logprobs = _logprobs(
+            {"output_token_logprobs": self.lists["output_token_logprobs"][seen:]}, new
+        )
+        return new, logprobs
+
+    def answer(self) -> dict[str, Any]:
+        meta = {**self.meta}
+        for key, values in self.lists.items():
+            if values or key in self.meta:
+                meta[key] = values
+        return {"output_ids": self.output_ids, "meta_info": meta}
 
 
 def merge_spans(spans: Sequence[VersionSpan]) -> list[VersionSpan]:

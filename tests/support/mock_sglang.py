@@ -4,9 +4,11 @@ It speaks SGLang's HTTP API as a server started with `--skip-tokenizer-init` doe
 ids out) and is strict where SGLang is: an unknown `sampling_params` key is a 400. It is
 stricter on top-level `/generate` keys (unknown ones are a 400 too), to catch client typos
 that sglang-router would otherwise drop without a word. Features SGLang has but this
-worker does not (text input, streaming, batched input, penalties, grammars, NCCL weight
-updates) are refused with a 400 that says so, never faked. Backed by `LocalEngine`, the
-answers are real model output.
+worker does not (text input, batched input, penalties, grammars, NCCL weight updates)
+are refused with a 400 that says so, never faked. `stream: true` answers with SGLang's
+non-incremental server-sent events (each chunk the output so far, `completion_tokens` in
+its `meta_info`), a chunk per decode step of an engine that streams. Backed by
+`LocalEngine`, the answers are real model output.
 
 Only `stop_token_ids` stop generation (the model's EOS is not implied, as with
 `ignore_eos`). Requests that arrive while generation is paused wait until it continues,
@@ -31,15 +33,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from agentflow.errors import AgentFlowError, CapacityExceeded, EngineError, EngineUnavailable
@@ -51,7 +54,9 @@ from agentflow.inference.base import (
     PauseMode,
     SamplingParams,
     SessionRef,
+    TokenObserver,
     WeightUpdate,
+    generate_observed,
 )
 
 
@@ -297,7 +302,7 @@ def create_mock_worker(
         }
 
     @app.post("/generate")
-    async def generate(request: Request) -> dict[str, Any]:
+    async def generate(request: Request) -> Any:
         body = parse_generate(await json_body(request))
         if body.image_data and not image_understanding:
             raise Refusal("image_data: this model has no image understanding")
@@ -318,10 +323,17 @@ def create_mock_worker(
                 "at": time.time(),
             }
         )
+        if body.stream:
+            return StreamingResponse(_streamed(req, body), media_type="text/event-stream")
+        return await _answer(req, body, None)
+
+    async def _answer(
+        req: GenerateRequest, body: wire.GenerateBody, observer: TokenObserver | None
+    ) -> dict[str, Any]:
         state.in_flight.add(req.rid)
         try:
             if await state.hold_while_paused(req.rid):
-                result = await engine.generate(req)
+                result = await generate_observed(engine, req, observer)
             else:
                 result = GenerateResult(
                     rid=req.rid,
@@ -342,6 +354,37 @@ def create_mock_worker(
                 version=(await engine.info()).weight_version if not result.output_ids else 0,
             ),
         }
+
+    async def _streamed(req: GenerateRequest, body: wire.GenerateBody) -> AsyncIterator[bytes]:
+        """SGLang's non-incremental stream: each chunk holds the output so far."""
+        chunks: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        ids: list[int] = []
+        entries: list[list[Any]] = []
+
+        def observe(new_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+            ids.extend(new_ids)
+            entries.extend([lp, tok, None] for tok, lp in zip(new_ids, logprobs, strict=True))
+            meta = {
+                "id": req.rid,
+                "finish_reason": None,
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+            }
+            if body.return_logprob:
+                meta["output_token_logprobs"] = list(entries)
+            chunks.put_nowait({"output_ids": list(ids), "meta_info": meta})
+
+        task = asyncio.create_task(_answer(req, body, observe))
+        while not (task.done() and chunks.empty()):
+            get = asyncio.ensure_future(chunks.get())
+            await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                yield f"data: {json.dumps(get.result())}\n\n".encode()
+            else:
+                get.cancel()
+        yield f"data: {json.dumps(await task)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
     @app.post("/open_session")
     async def open_session(request: Request) -> str:

@@ -109,7 +109,6 @@ async def test_router_shaped_body_gets_sglang_shaped_answer(http: httpx.AsyncCli
         ({"sampling_params": {"max_new_tokens": 2, "bogus": 1}}, "Unknown sampling parameter"),
         ({"sampling_params": {"top_k": 5}}, "top_k"),
         ({"unknown_top": 1}, "unknown /generate keys"),
-        ({"stream": True}, "stream"),
         ({"input_ids": None, "text": "hi"}, "text"),
         ({"input_ids": [[1, 2], [3]]}, "batched"),
         ({"input_ids": []}, "input_ids"),
