@@ -193,9 +193,10 @@ def serve_mock(port: int, server_s: float) -> None:
     )
 
 
-def _timed_transport(limits: object, waits: list[float]) -> object:
-    """An httpx transport that records each request's wait for a pooled connection: the
-    time from its start to its first event on a connection (connect or send)."""
+def _timed_transport(limits: object, waits: list[float], connects: list[int]) -> object:
+    """An httpx transport that records each request's wait for a pooled connection (the
+    time from its start to its first event on a connection: connect or send) and each
+    new TCP connection it opens."""
     import httpx
 
     class Timed(httpx.AsyncHTTPTransport):
@@ -206,6 +207,8 @@ def _timed_transport(limits: object, waits: list[float]) -> object:
             async def trace(event: str, info: dict[str, object]) -> None:
                 if not seen:
                     seen.append(time.perf_counter())
+                if event == "connection.connect_tcp.started":
+                    connects.append(1)
 
             request.extensions["trace"] = trace
             try:
@@ -240,8 +243,9 @@ async def pool_wait(episodes: int, server_s: float) -> None:
         )
         for label, pools in cases:
             waits: list[float] = []
+            connects: list[int] = []
             clients = [
-                httpx.AsyncClient(transport=_timed_transport(limits, waits))  # type: ignore[arg-type]
+                httpx.AsyncClient(transport=_timed_transport(limits, waits, connects))  # type: ignore[arg-type]
                 for limits in pools
             ]
             engine = SGLangEngine(sized, client=clients[0])
@@ -258,6 +262,7 @@ async def pool_wait(episodes: int, server_s: float) -> None:
             walls = []
             for round_ in range(3):  # the first round opens the connections
                 waits.clear()
+                connects.clear()
                 start = time.perf_counter()
                 await asyncio.gather(*(one(f"{round_}-{i}") for i in range(episodes)))
                 walls.append(time.perf_counter() - start)
@@ -267,7 +272,8 @@ async def pool_wait(episodes: int, server_s: float) -> None:
             print(
                 f"  {label:34s} wall per round {walls[1]:5.2f} s, {walls[2]:5.2f} s "
                 f"(server {server_s:.2f} s)  wait for a connection p50 "
-                f"{statistics.median(waits) * 1e3:6.1f} ms  p99 {_pct(waits, 99) * 1e3:6.1f} ms"
+                f"{statistics.median(waits) * 1e3:6.1f} ms  p99 {_pct(waits, 99) * 1e3:6.1f} ms  "
+                f"new connections in the last round {len(connects)}"
             )
 
 

@@ -364,7 +364,7 @@ def create_mock_worker(
         def observe(new_ids: Sequence[int], logprobs: Sequence[float]) -> None:
             ids.extend(new_ids)
             entries.extend([lp, tok, None] for tok, lp in zip(new_ids, logprobs, strict=True))
-            meta = {
+            meta: dict[str, Any] = {
                 "id": req.rid,
                 "finish_reason": None,
                 "prompt_tokens": len(req.input_ids),

@@ -258,12 +258,10 @@ async def chat(request: Request) -> Response:
 
 
 def _model_names(request: Request, settings: Settings) -> list[str]:
-    """The models of the live runs: for the API key or an episode key, or for anyone on a
-    gateway without an API key (as its other routes are)."""
-    if settings.api_key or request.headers.get("authorization"):
-        token = bearer_token(request)
-        if not is_api_key(token, settings):
-            episode_for_key(token, settings.secret_key)
+    """The models of the live runs; the caller must hold the API key or an episode key."""
+    token = bearer_token(request)
+    if not is_api_key(token, settings):
+        episode_for_key(token, settings.secret_key)
     runtimes: RuntimeRegistry = request.app.state.runtimes
     return list(dict.fromkeys(runtime.model_name for _, runtime in runtimes.items()))
 

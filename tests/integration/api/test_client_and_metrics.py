@@ -27,7 +27,9 @@ async def app(settings: Settings) -> FastAPI:
     return create_app(settings)
 
 
-async def test_the_typed_client_leases_acks_and_reports_metrics(app: FastAPI) -> None:
+async def test_the_typed_client_leases_acks_and_reports_metrics(settings: Settings) -> None:
+    # With an API key: the models route, like the agents' routes, always wants a key.
+    app = create_app(settings.model_copy(update={"api_key": "operator-key"}))
     async with app.router.lifespan_context(app):
         turns = app.state.turn_tree
         run = await make_run(turns)
@@ -35,7 +37,9 @@ async def test_the_typed_client_leases_acks_and_reports_metrics(app: FastAPI) ->
         async with turns.sessions.begin() as session:
             session.add(WeightVersion(run_id=run, version=1, uri="x", metrics={}))
         transport = httpx.ASGITransport(app=app)
-        async with AsyncClient("http://gateway", transport=transport) as client:
+        async with AsyncClient(
+            "http://gateway", api_key="operator-key", transport=transport
+        ) as client:
             (trajectory,) = await client.lease(run, 4)
             assert trajectory.reward == 0.5 and trajectory.token_ids == (1, 2, 3, 4, 5)
             assert await client.ack(run, [trajectory.id], trajectory.lease_id) == 1
