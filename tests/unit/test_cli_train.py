@@ -55,11 +55,14 @@ def _toml(document: dict[str, Any]) -> str:
             lines += table(sub, v, f"[{sub}]")
         return lines
 
-    lines = [f"{k} = {value(v)}" for k, v in document.items() if not isinstance(v, dict | list)]
+    def is_table(v: Any) -> bool:
+        return isinstance(v, dict) or (isinstance(v, list) and any(isinstance(e, dict) for e in v))
+
+    lines = [f"{k} = {value(v)}" for k, v in document.items() if not is_table(v)]
     for key, v in document.items():
         if isinstance(v, dict):
             lines += table(key, v, f"[{key}]")
-        elif isinstance(v, list):
+        elif is_table(v):
             for entry in v:
                 lines += table(key, entry, f"[[{key}]]")
     return "\n".join(lines) + "\n"
