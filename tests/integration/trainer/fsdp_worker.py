@@ -72,6 +72,9 @@ def main(out: Path) -> None:
             },
             out / "result.pt",
         )
+    # Leave together: a rank that tears its group down while the other still writes can
+    # abort in gloo's threads ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
