@@ -164,7 +164,7 @@ class _Worker:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
-                pass
+                pass  # not listening yet: ask again below
             if time.monotonic() > deadline or self.process.poll() is not None:
                 self.__exit__()
                 raise RuntimeError("the mock worker did not start")

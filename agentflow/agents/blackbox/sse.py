@@ -106,6 +106,9 @@ class ChunkWriter:
     ) -> bytes:
         lp = {"content": logprobs, "refusal": None} if logprobs is not None else None
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return self._event([choice], **extra)
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return event(
             {
                 "id": self.chat_id,
@@ -113,7 +116,7 @@ class ChunkWriter:
                 "created": self.created,
                 "model": self.model,
                 "system_fingerprint": None,
-                "choices": [choice],
+                "choices": choices,
                 **extra,
             }
         )
@@ -145,19 +148,7 @@ class ChunkWriter:
                 self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
             )
         out.append(self.chunk({}, answer.finish_reason, agentflow=extension_of(answer)))
-        if include_usage:
-            out.append(
-                event(
-                    {
-                        "id": self.chat_id,
-                        "object": "chat.completion.chunk",
-                        "created": self.created,
-                        "model": self.model,
-                        "system_fingerprint": None,
-                        "choices": [],
-                        "usage": usage_of(answer),
-                    }
-                )
-            )
+        if include_usage:  # OpenAI's usage chunk: no choices
+            out.append(self._event([], usage=usage_of(answer)))
         out.append(DONE)
         return out
