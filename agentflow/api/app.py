@@ -35,6 +35,8 @@ from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.manager import RunManager
+from agentflow.ui import routes as ui
+from agentflow.ui.tokens import TokenTexts
 from envs import registry
 
 
@@ -86,6 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.instance_id = uuid.uuid4().hex  # tells this gateway from others at one URL
     app.state.runtimes = RuntimeRegistry()
+    app.state.token_texts = TokenTexts(app.state.runtimes)  # the dashboard's token texts
     app.state.metrics = GatewayMetrics()
     app.state.live_episodes = LiveEpisodes()  # black-box episodes' chat state and agents
     app.add_middleware(
@@ -110,4 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         weights,
     ):
         app.include_router(module.router)
+    # The dashboard: its page and assets, and the JSON its pages read (`agentflow.ui`).
+    for router in ui.routers:
+        app.include_router(router)
     return app

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -122,6 +124,38 @@ def check_episode_key(request: Request) -> None:
     authorize_episode(request, request.path_params["episode_id"])
 
 
+# The dashboard's session cookie: a browser cannot send the key as a header when it
+# opens a page or an image, so `POST /ui/login` trades the key for this cookie.
+UI_COOKIE = "agentflow_ui"
+
+
+def ui_cookie_value(settings: Settings) -> str:
+    """What the cookie holds: a MAC of the API key under the secret key, so the cookie
+    is not the key itself, and a new API key (or secret) ends every dashboard session."""
+    message = b"agentflow-ui-session:" + (settings.api_key or "").encode()
+    return hmac.new(settings.secret_key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def ui_access_granted(request: Request) -> bool:
+    """No API key is set, or the request carries it (as a header or as the cookie)."""
+    settings = _settings(request)
+    if not settings.api_key:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and is_api_key(token.strip(), settings):
+        return True
+    cookie = request.cookies.get(UI_COOKIE, "")
+    return secrets.compare_digest(
+        cookie.encode("utf-8", "surrogateescape"), ui_cookie_value(settings).encode()
+    )
+
+
+def check_ui_access(request: Request) -> None:
+    """The dashboard's data and assets: the API key, as a header or as the cookie."""
+    if not ui_access_granted(request):
+        raise Unauthorized("missing or wrong API key: sign in at /ui, or send the key")
+
+
 # The same checks as the dependencies routers declare. FastAPI runs them again after
 # `GatewayRoute`; `async def` keeps that second run on the event loop (a plain `def`
 # dependency goes to a worker thread on every request).
@@ -133,11 +167,17 @@ async def require_episode_key(request: Request) -> None:
     check_episode_key(request)
 
 
+async def require_ui_access(request: Request) -> None:
+    check_ui_access(request)
+
+
 # What a router that needs the API key declares (`APIRouter(dependencies=API_KEY)`): on
 # the router itself, where `GatewayRoute` sees it, not at `include_router`.
 API_KEY = [Depends(require_api_key)]
+UI_ACCESS = [Depends(require_ui_access)]
 # Each auth dependency, and the check `GatewayRoute` runs for it before anything else.
 AUTH_CHECKS: dict[Callable[..., Any], Callable[[Request], None]] = {
     require_api_key: check_api_key,
     require_episode_key: check_episode_key,
+    require_ui_access: check_ui_access,
 }

@@ -108,6 +108,8 @@ class RunEnvironment(Base):
 
 class Episode(Base):
     __tablename__ = "episodes"
+    # A run's episodes a page at a time, in creation order (the dashboard, the API).
+    __table_args__ = (Index("ix_episodes_run_id_created_at", "run_id", "created_at"),)
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     run_id: Mapped[uuid.UUID | None] = mapped_column(
@@ -122,6 +124,10 @@ class Episode(Base):
     status: Mapped[str] = mapped_column(String(16), index=True, default="pending")
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)
     error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
+    # The oldest and newest weight versions its tokens were sampled with, set when it
+    # finishes (null: no policy tokens, or still live).
+    min_weight_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_weight_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 

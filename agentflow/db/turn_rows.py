@@ -8,7 +8,7 @@ arrays at once with numpy.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -122,6 +122,16 @@ def min_version(packed: bytes | None) -> int | None:
     if not packed:
         return None
     return int(np.frombuffer(packed, dtype=_INT32).min())
+
+
+def version_range(packed: Iterable[bytes | None]) -> tuple[int, int] | None:
+    """The oldest and newest weight version over turns' packed versions (None: no
+    policy tokens at all)."""
+    arrays = [np.frombuffer(p, dtype=_INT32) for p in packed if p]
+    if not arrays:
+        return None
+    joined = np.concatenate(arrays)
+    return int(joined.min()), int(joined.max())
 
 
 def trajectory_rows(

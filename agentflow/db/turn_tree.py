@@ -430,8 +430,6 @@ class TurnTree:
                 if claimed is None:
                     episode = await self._require_episode(session, episode_id)
                     raise Conflict(f"episode {episode_id} is already {episode.status}")
-                if status not in TRAINABLE_EPISODE_STATUSES:
-                    return []
                 tree = (
                     await session.execute(
                         select(_turns.c.id, _turns.c.parent_id, _turns.c.weight_versions)
@@ -439,6 +437,15 @@ class TurnTree:
                         .order_by(_turns.c.depth, _turns.c.created_at, _turns.c.id)
                     )
                 ).all()
+                versions = turn_rows.version_range(row.weight_versions for row in tree)
+                if versions is not None:
+                    await session.execute(
+                        update(_episodes)
+                        .where(_episodes.c.id == episode_id)
+                        .values(min_weight_version=versions[0], max_weight_version=versions[1])
+                    )
+                if status not in TRAINABLE_EPISODE_STATUSES:
+                    return []
                 rows = turn_rows.trajectory_rows(
                     tree,
                     episode_id=episode_id,

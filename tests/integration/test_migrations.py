@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from agentflow.db import migrate
 from agentflow.db.models import Base
+from agentflow.db.packing import pack_ints, pack_mask
 from agentflow.db.session import create_engine
 from agentflow.errors import SchemaOutOfDate
 
@@ -75,3 +78,82 @@ def test_0004_blobs_go_down_and_up_alone(empty_url: str) -> None:
     migrate.upgrade(empty_url)
     tables, diff = asyncio.run(_tables_and_diff(empty_url))
     assert {"blobs", "blob_data", "turn_blobs"} <= tables and diff == []
+
+
+async def _seed_at_0004(url: str) -> tuple[uuid.UUID, uuid.UUID]:
+    """A finished episode with two policy turns (versions 3..5) and one with none, written
+    as a 0004 database holds them."""
+    engine = create_engine(url)
+    sampled, unsampled = uuid.uuid4(), uuid.uuid4()
+    now = datetime.now(UTC)
+    try:
+        async with engine.begin() as conn:
+            for episode in (sampled, unsampled):
+                await conn.execute(
+                    text(
+                        "INSERT INTO episodes (id, env_ref, task, status, created_at) "
+                        "VALUES (:id, 'e', '{}', 'running', :now)"
+                    ),
+                    {"id": _uuid_param(url, episode), "now": now},
+                )
+            rows = [
+                (sampled, None, pack_ints([4, 3])),
+                (sampled, None, pack_ints([5])),
+                (unsampled, None, None),
+            ]
+            for episode, parent, versions in rows:
+                await conn.execute(
+                    text(
+                        "INSERT INTO turns (id, episode_id, parent_id, depth, kind, token_ids, "
+                        "weight_versions, loss_mask, timings, created_at) VALUES (:id, :episode, "
+                        ":parent, 0, :kind, :tokens, :versions, :mask, '{}', :now)"
+                    ),
+                    {
+                        "id": _uuid_param(url, uuid.uuid4()),
+                        "episode": _uuid_param(url, episode),
+                        "parent": parent,
+                        "kind": "policy" if versions else "prompt",
+                        "tokens": pack_ints([1]),
+                        "versions": versions,
+                        "mask": pack_mask([1]),
+                        "now": now,
+                    },
+                )
+            await conn.execute(text("UPDATE episodes SET status = 'completed'"))
+    finally:
+        await engine.dispose()
+    return sampled, unsampled
+
+
+def _uuid_param(url: str, value: uuid.UUID) -> object:
+    # SQLAlchemy's Uuid stores hex without dashes on SQLite; PostgreSQL takes the UUID.
+    return value.hex if url.startswith("sqlite") else value
+
+
+async def _version_range(url: str, episode: uuid.UUID) -> tuple[int | None, int | None]:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        "SELECT min_weight_version, max_weight_version FROM episodes WHERE id = :id"
+                    ),
+                    {"id": _uuid_param(url, episode)},
+                )
+            ).one()
+    finally:
+        await engine.dispose()
+    return row[0], row[1]
+
+
+def test_0005_fills_in_finished_episodes_version_ranges(empty_url: str) -> None:
+    migrate.upgrade(empty_url, "0004")
+    sampled, unsampled = asyncio.run(_seed_at_0004(empty_url))
+    migrate.upgrade(empty_url)
+    assert asyncio.run(_version_range(empty_url, sampled)) == (3, 5)
+    assert asyncio.run(_version_range(empty_url, unsampled)) == (None, None)
+    migrate.downgrade(empty_url, "0004")
+    migrate.upgrade(empty_url)
+    _, diff = asyncio.run(_tables_and_diff(empty_url))
+    assert diff == []

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from agentflow.api.deps import API_KEY, TurnTreeDep
 from agentflow.api.routing import GatewayRoute
+from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import InvalidInput
 from agentflow.images import is_blob_id
 
@@ -32,6 +33,11 @@ def blob_url(sha256: str) -> str:
 )
 async def get_blob(sha256: str, turns: TurnTreeDep) -> Response:
     """The blob's bytes with its media type; 404 when no blob has this id."""
+    return await blob_response(sha256, turns)
+
+
+async def blob_response(sha256: str, turns: TurnTree) -> Response:
+    """A blob as served (here, and to the dashboard's pages)."""
     if not is_blob_id(sha256):
         raise InvalidInput(
             "a blob id is the SHA-256 of its bytes: 64 lower-case hex digits",

@@ -36,5 +36,7 @@ class EpisodePublic(BaseModel):
     status: str
     reward: float | None
     error: str | None
+    min_weight_version: int | None
+    max_weight_version: int | None
     created_at: datetime
     finished_at: datetime | None
