@@ -315,6 +315,10 @@ def train(
     seed: Annotated[
         int | None, typer.Option(min=0, help="override the config's seed (run NAME-seedN)")
     ] = None,
+    ui_port: Annotated[
+        int | None,
+        typer.Option(min=0, max=65535, help="serve the dashboard on 127.0.0.1 at this port"),
+    ] = None,
 ) -> None:
     """Train in one process (SQLite, local engine, envs, trainer); rerun to resume."""
     run_config = _run_config(config)  # parse before importing torch: bad input fails fast
@@ -328,8 +332,8 @@ def train(
     hf_logging.disable_progress_bar()  # the run prints its own progress
 
     try:
-        summary = train_embedded(run_config)
-    except AgentFlowError as exc:
+        summary = train_embedded(run_config, ui_port=ui_port)
+    except (AgentFlowError, OSError) as exc:
         raise _fail(exc) from None
     _print(summary)
 

@@ -10,6 +10,7 @@ newest checkpoint (see `trainer.loop`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from agentflow.errors import InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.manager import RunManager
 from agentflow.run_config import RunConfig, check_device
+from agentflow.ui.app import DashboardServer, create_dashboard_app
 from envs import registry
 from trainer.backends.torch_backend import TorchPolicy
 from trainer.loggers import build_loggers
@@ -39,6 +41,8 @@ from trainer.teachers import build_teachers, check_teachers
 from trainer.weights import WeightPublisher
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from trainer.sft import SftConfig
 
 log = logging.getLogger(__name__)
@@ -123,23 +127,46 @@ def warm_start_config(config: RunConfig) -> SftConfig:
     )
 
 
-def train_embedded(config: RunConfig) -> dict[str, Any]:
-    """The whole run; returns the summary (also written to the run directory)."""
+def train_embedded(config: RunConfig, *, ui_port: int | None = None) -> dict[str, Any]:
+    """The whole run; returns the summary (also written to the run directory).
+    `ui_port`: serve the dashboard on 127.0.0.1 at this port while it trains."""
     started = time.perf_counter()
     config, directory = prepare(config)
     url = f"sqlite+aiosqlite:///{(directory / 'agentflow.db').resolve()}"
     migrate.upgrade(url)
-    summary = asyncio.run(_train(config, directory, url))
+    summary = asyncio.run(_train(config, directory, url, ui_port))
     summary["total_seconds"] = round(time.perf_counter() - started, 1)  # warm start included
     (directory / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-async def _train(config: RunConfig, directory: Path, url: str) -> dict[str, Any]:
+async def _train(
+    config: RunConfig, directory: Path, url: str, ui_port: int | None
+) -> dict[str, Any]:
     engine = create_engine(url)
     settings = Settings(database_url=url)
     turns = TurnTree(session_factory(engine), blob_store=blob_store_for(settings))
-    manager = RunManager(turns, RuntimeRegistry(), settings, trainer_in_process=True)
+    runtimes = RuntimeRegistry()
+    manager = RunManager(turns, runtimes, settings, trainer_in_process=True)
+    try:
+        async with contextlib.AsyncExitStack() as serving:
+            if ui_port is not None:
+                app = create_dashboard_app(settings, turns, runtimes)
+                dashboard = await serving.enter_async_context(
+                    DashboardServer(app, "127.0.0.1", ui_port)
+                )
+                print(f"dashboard: http://127.0.0.1:{dashboard.port}/ui", flush=True)
+            return await _train_run(config, directory, engine, manager)
+    finally:
+        await engine.dispose()
+
+
+async def _train_run(
+    config: RunConfig,
+    directory: Path,
+    engine: AsyncEngine,
+    manager: RunManager,
+) -> dict[str, Any]:
     settings_doc = config.model_dump(mode="json")
     report = RunReport(
         directory,

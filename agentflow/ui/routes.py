@@ -105,7 +105,10 @@ async def dashboard(request: Request) -> Response:
 async def sign_in(request: Request, settings: SettingsDep) -> Response:
     """The sign-in form's post (`key=...`): the session cookie and back to the page, or
     401 and the form again."""
-    form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
+    try:
+        form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
+    except ValueError:  # more fields than the form has: not the form
+        form = {}
     key = (form.get("key") or [""])[0].strip()
     if settings.api_key and not is_api_key(key, settings):
         return _sign_in_page('<p class="error" role="alert">That is not the key.</p>')

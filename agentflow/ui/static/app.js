@@ -157,29 +157,7 @@ function episodesHash(runId, params) {
 }
 
 async function episodesPage(runId, params) {
-  const run = await api(`/runs/${runId}`);
   const offset = Number(params.get("offset") || 0);
-  const filters = h(
-    "form",
-    { class: "filters" },
-    h("label", {}, "Status ", h("select", { name: "status" }, h("option", { value: "" }, "any"), EPISODE_STATUSES.map((s) => h("option", { value: s }, s)))),
-    h("label", {}, "Env ", h("select", { name: "env" }, h("option", { value: "" }, "any"), Object.keys(run.envs).map((e) => h("option", { value: e }, e)))),
-    h("label", {}, "Reward ≥ ", h("input", { name: "reward_min", type: "number", step: "any", size: 6 })),
-    h("label", {}, "Reward ≤ ", h("input", { name: "reward_max", type: "number", step: "any", size: 6 })),
-    h("label", {}, "Weight version ", h("input", { name: "weight_version", type: "number", min: 0, step: 1, size: 5 })),
-    h("button", { type: "submit" }, "Filter"),
-  );
-  for (const field of filters.elements) {
-    if (field.name && params.get(field.name) !== null) field.value = params.get(field.name);
-  }
-  filters.addEventListener("submit", (event) => {
-    event.preventDefault();
-    const next = new URLSearchParams();
-    for (const field of filters.elements) {
-      if (field.name && field.value !== "") next.set(field.name, field.value);
-    }
-    window.location.hash = episodesHash(runId, next);
-  });
   const holder = h("div");
   const query = new URLSearchParams(params);
   query.set("limit", PAGE_SIZE);
@@ -217,7 +195,29 @@ async function episodesPage(runId, params) {
     );
     holder.dataset.total = page.total;
   };
-  await fill();
+  // The run (for its envs) and the first page at once: one round trip, not two.
+  const [run] = await Promise.all([api(`/runs/${runId}`), fill()]);
+  const filters = h(
+    "form",
+    { class: "filters" },
+    h("label", {}, "Status ", h("select", { name: "status" }, h("option", { value: "" }, "any"), EPISODE_STATUSES.map((s) => h("option", { value: s }, s)))),
+    h("label", {}, "Env ", h("select", { name: "env" }, h("option", { value: "" }, "any"), Object.keys(run.envs).map((e) => h("option", { value: e }, e)))),
+    h("label", {}, "Reward ≥ ", h("input", { name: "reward_min", type: "number", step: "any", size: 6 })),
+    h("label", {}, "Reward ≤ ", h("input", { name: "reward_max", type: "number", step: "any", size: 6 })),
+    h("label", {}, "Weight version ", h("input", { name: "weight_version", type: "number", min: 0, step: 1, size: 5 })),
+    h("button", { type: "submit" }, "Filter"),
+  );
+  for (const field of filters.elements) {
+    if (field.name && params.get(field.name) !== null) field.value = params.get(field.name);
+  }
+  filters.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const next = new URLSearchParams();
+    for (const field of filters.elements) {
+      if (field.name && field.value !== "") next.set(field.name, field.value);
+    }
+    window.location.hash = episodesHash(runId, next);
+  });
   const node = h(
     "section",
     {},

@@ -106,6 +106,9 @@ async def test_signing_in_sets_a_cookie_that_opens_the_page_and_its_data(
     client, _ = gateway
     wrong = await client.post("/ui/login", content="key=nope", headers=_form())
     assert wrong.status_code == 401 and "not the key" in wrong.text
+    for garbage in (b"", b"a=1&b=2&c=3&d=4&e=5&key=x", b"\xff\x00key=%ZZ", b'{"key": 1}'):
+        refused = await client.post("/ui/login", content=garbage, headers=_form())
+        assert refused.status_code == 401 and 'action="/ui/login"' in refused.text
     assert "agentflow_ui" not in wrong.cookies
     right = await client.post("/ui/login", content=f"key={KEY}", headers=_form())
     assert right.status_code == 303 and right.headers["location"] == "/ui"

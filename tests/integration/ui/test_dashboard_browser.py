@@ -1,0 +1,279 @@
+"""The dashboard in Debian's Chromium (driven by Playwright) against `agentflow serve`
+with a real run in it: an RTPO run the split trainer trains while the run's page is open,
+so its curves grow live; its episodes' trees hold the re-rolled branches.
+
+Screenshots of each page go to `$AGENTFLOW_UI_SCREENSHOTS` (the README's come from
+there), else to the test's temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+from sqlalchemy import select
+
+from agentflow.config import Settings
+from agentflow.db.blobs import blob_store_for
+from agentflow.db.models import Turn
+from agentflow.db.packing import unpack_floats
+from agentflow.db.session import create_engine, session_factory
+from agentflow.db.turn_tree import TurnTree
+from agentflow.types import TurnRecord
+from envs.browser.chromium import chromium_executable
+from tests.integration.test_gateway_crash import gateway_process
+from tests.integration.test_serve import _free_port
+
+pytestmark = pytest.mark.integration
+
+KEY = "dashboard-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+STEPS = 3
+TIMEOUT_MS = 60_000
+
+
+def _config(tmp_path: Path) -> dict[str, Any]:
+    """A small RTPO run: each episode is re-rolled from its later turns, so its tree forks."""
+    return {
+        "name": "dashboard-rtpo",
+        "seed": 1,
+        "model": {"init": {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}},
+        "engine": {"type": "local", "max_batch_size": 32},
+        "envs": [{"id": "agentflow/vault-v0", "max_concurrency": 32}],
+        "agent": {"max_turns": 3, "max_new_tokens": 4},
+        "rollout": {"group_size": 2, "max_staleness": 1},
+        "trainer": {
+            "algorithm": "rtpo",
+            "batch_episodes": 12,
+            "steps": STEPS,
+            "checkpoint_every": STEPS,
+            "run_dir": str(tmp_path / "runs"),
+        },
+        "rtpo": {"branches": 1},
+        "weights": {"sync": "disk", "dir": str(tmp_path / "weights")},
+    }
+
+
+def _shots(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("AGENTFLOW_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(
+            executable_path=chromium_executable(headless=True)
+        )
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def _signed_in(browser: Browser, url: str) -> Page:
+    page = await browser.new_page(viewport={"width": 1280, "height": 860})
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    first = await page.goto(f"{url}/ui")
+    assert first is not None and first.status == 401  # the sign-in form
+    await page.fill("#key", KEY)
+    await page.click("button[type=submit]")
+    await expect(page.locator("main[data-page=runs]")).to_be_visible()
+    page.errors = errors  # type: ignore[attr-defined]
+    return page
+
+
+async def _tree_facts(database_url: str, episode_id: uuid.UUID) -> dict[str, Any]:
+    """What the database holds of one episode's tree."""
+    engine = create_engine(database_url)
+    try:
+        async with session_factory(engine)() as session:
+            rows = (
+                await session.execute(
+                    select(Turn.id, Turn.parent_id, Turn.kind, Turn.logprobs, Turn.created_at)
+                    .where(Turn.episode_id == episode_id)
+                    .order_by(Turn.depth, Turn.created_at)
+                )
+            ).all()
+    finally:
+        await engine.dispose()
+    children = Counter(row.parent_id for row in rows if row.parent_id is not None)
+    policy = next(row for row in rows if row.kind == "policy")
+    return {
+        "turns": len(rows),
+        "forks": {parent: n for parent, n in children.items() if n > 1},
+        "policy_turn": policy.id,
+        "logprobs": unpack_floats(policy.logprobs),
+    }
+
+
+async def _branched_episode(url: str, run_id: str, database_url: str) -> uuid.UUID:
+    page = httpx.get(
+        f"{url}/v1/runs/{run_id}/episodes",
+        params={"status": "completed", "limit": 50},
+        headers=AUTH,
+    ).json()
+    for item in page["items"]:
+        episode = uuid.UUID(item["id"])
+        if (await _tree_facts(database_url, episode))["forks"]:
+            return episode
+    raise AssertionError("no completed episode of the RTPO run has a re-rolled branch")
+
+
+async def test_the_dashboard_shows_a_real_run(
+    database_url: str, browser: Browser, tmp_path: Path
+) -> None:
+    document = _config(tmp_path)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(document))
+    shots = _shots(tmp_path)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "gateway.log"
+    with gateway_process(database_url, tmp_path, port, log=log, AGENTFLOW_API_KEY=KEY):
+        env_name = f"web-form-{uuid.uuid4().hex[:6]}"
+        registered = httpx.post(
+            f"{url}/v1/envs",
+            json={"name": env_name, "kind": "http", "spec": {"url": "http://127.0.0.1:9"}},
+            headers=AUTH,
+        )
+        assert registered.status_code == 201, registered.text
+        created = httpx.post(f"{url}/v1/runs", json=document, headers=AUTH, timeout=60)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        page = await _signed_in(browser, url)
+
+        # The run's page, open before the trainer starts: its curves fill in as it trains.
+        await page.goto(f"{url}/ui#/runs/{run_id}")
+        reward_points = page.locator("figure[data-chart=reward] circle.point")
+        await expect(page.locator("figure[data-chart=reward]")).to_be_visible()
+        assert await reward_points.count() == 0
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "agentflow.cli", "trainer", str(config)]
+            + ["--gateway", url, "--run", run_id, "--api-key", KEY],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            output, _ = trainer.communicate(timeout=300)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+        assert trainer.returncode == 0, output.decode()[-3000:]
+        await expect(reward_points).to_have_count(STEPS)  # the page polled; never reloaded
+        await expect(page.locator("figure[data-chart=staleness] .series")).to_have_count(2)
+        await expect(page.locator("figure[data-chart=throughput] circle.point")).to_have_count(
+            STEPS
+        )
+        await expect(page.locator("[data-fact=weight-version]")).to_have_text(str(STEPS))
+        await page.screenshot(path=shots / "dashboard-run.png", full_page=True)
+
+        # Engines and envs, while the run still plays.
+        await page.goto(f"{url}/ui#/engines")
+        row = page.locator(f"table.engines tr[data-run-id='{run_id}']")
+        await expect(row).to_be_visible()
+        await expect(row.locator("td").nth(1)).to_have_text("LocalEngine")
+        await expect(row.locator("td.kv")).to_contain_text("tokens")
+        await expect(row.locator("td.batch")).to_contain_text("/ 32")
+        await page.screenshot(path=shots / "dashboard-engines.png")
+        await page.goto(f"{url}/ui#/envs")
+        env_row = page.locator("table.envs tr", has_text=env_name)
+        await expect(env_row).to_contain_text("http")
+        await page.screenshot(path=shots / "dashboard-envs.png")
+
+        stopped = httpx.post(f"{url}/v1/runs/{run_id}/stop", headers=AUTH, timeout=60)
+        assert stopped.status_code == 200, stopped.text
+
+        # Episodes: paged, and filtered through the form.
+        listing = httpx.get(f"{url}/v1/runs/{run_id}/episodes", headers=AUTH).json()
+        completed = httpx.get(
+            f"{url}/v1/runs/{run_id}/episodes", params={"status": "completed"}, headers=AUTH
+        ).json()
+        await page.goto(f"{url}/ui#/runs/{run_id}/episodes")
+        await expect(page.locator(".pager .range")).to_contain_text(f"of {listing['total']}")
+        await expect(page.locator("table.episodes tbody tr")).to_have_count(
+            min(50, listing["total"])
+        )
+        await page.select_option("select[name=status]", "completed")
+        await page.click(".filters button[type=submit]")
+        await expect(page.locator(".pager .range")).to_contain_text(f"of {completed['total']}")
+        statuses = await page.locator("table.episodes tbody .badge").all_text_contents()
+        assert statuses and set(statuses) == {"completed"}
+        await page.screenshot(path=shots / "dashboard-episodes.png")
+
+        # One episode's tree: every turn, each fork's branches, a token's log-prob.
+        episode = await _branched_episode(url, run_id, database_url)
+        facts = await _tree_facts(database_url, episode)
+        await page.goto(f"{url}/ui#/episodes/{episode}")
+        await expect(page.locator("article.turn")).to_have_count(facts["turns"])
+        forks = page.locator(".branches")
+        await expect(forks).to_have_count(len(facts["forks"]))
+        for parent, count in facts["forks"].items():
+            fork = page.locator(f".branches[data-parent='{parent}']")
+            await expect(fork.locator(":scope > .branch")).to_have_count(count)
+        token = page.locator(f"article[data-turn-id='{facts['policy_turn']}'] .tok").first
+        await token.hover()
+        logprob = facts["logprobs"][0]
+        await expect(page.locator("#tip")).to_contain_text(f"log-prob {logprob:.4f}")
+        assert float(await token.get_attribute("data-logprob") or "nan") == pytest.approx(
+            logprob, abs=1e-6
+        )
+        await page.screenshot(path=shots / "dashboard-episode.png", full_page=True)
+        assert page.errors == []  # type: ignore[attr-defined]
+
+
+async def test_a_computer_use_episode_shows_its_screenshots(
+    sqlite_database: str, browser: Browser, tmp_path: Path
+) -> None:
+    """An env turn's screenshot (a real one, taken by Chromium) is shown in the tree."""
+    shot_page = await browser.new_page(viewport={"width": 320, "height": 200})
+    await shot_page.set_content("<button style='font-size:40px'>Submit</button>")
+    png = await shot_page.screenshot()
+    await shot_page.close()
+    engine = create_engine(sqlite_database)
+    try:
+        turns = TurnTree(
+            session_factory(engine),
+            blob_store=blob_store_for(Settings(database_url=sqlite_database)),
+        )
+        episode = await turns.create_episode(env_ref="agentflow/miniwob-click-button")
+        prompt = await turns.add_turn(
+            episode, None, TurnRecord(kind="prompt", token_ids=(67,), text="C", images=(png,))
+        )
+        action = await turns.add_turn(
+            episode,
+            prompt,
+            TurnRecord(kind="policy", token_ids=(99,), logprobs=(-0.1,), weight_versions=(0,)),
+        )
+        await turns.add_turn(
+            episode, action, TurnRecord(kind="env", token_ids=(100,), reward=1.0, images=(png,))
+        )
+        await turns.complete_episode(episode, "completed", 1.0)
+    finally:
+        await engine.dispose()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with gateway_process(sqlite_database, tmp_path, port, AGENTFLOW_API_KEY=KEY):
+        page = await _signed_in(browser, url)
+        await page.goto(f"{url}/ui#/episodes/{episode}")
+        shots = page.locator("img.shot")
+        await expect(shots).to_have_count(2)
+        for index in range(2):
+            width = await shots.nth(index).evaluate("img => img.complete && img.naturalWidth")
+            assert width == 320  # the stored PNG itself, loaded with the session cookie
+        await page.screenshot(path=_shots(tmp_path) / "dashboard-screenshots.png", full_page=True)
