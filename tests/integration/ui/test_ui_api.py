@@ -259,3 +259,19 @@ async def test_envs_show_their_live_sessions(gateway: tuple[httpx.AsyncClient, A
     assert {"env_ref": builtin, "live_sessions": 1} in body["unregistered"]
     assert env["id"] not in [e["env_ref"] for e in body["unregistered"]]
     assert (await client.get("/ui/api/engines", headers=AUTH)).json() == {"items": []}
+
+
+async def test_without_its_tokenizer_an_episode_still_shows(
+    gateway: tuple[httpx.AsyncClient, Any], tmp_path: Any
+) -> None:
+    """A run whose checkpoint is gone: token ids and the stored text, no error."""
+    client, app = gateway
+    runs = RunStore(app.state.sessionmaker)
+    config = {**CONFIG, "name": "moved", "model": {"path": str(tmp_path / "moved-away")}}
+    run_id = await runs.create("moved", config)
+    episode, _ = await _episode(app.state.turn_tree, run_id)
+    answer = await client.get(f"/ui/api/episodes/{episode}", headers=AUTH)
+    assert answer.status_code == 200
+    (root,) = answer.json()["roots"]
+    assert root["token_texts"] is None and root["token_ids"] == [72, 105]
+    assert root["children"][0]["children"][0]["text"] == "\n"
