@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.db.models import Environment, Episode, Run, Turn, WeightVersion
+from agentflow.db.runs import LIVE_RUN_STATUSES
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES, TurnNode
@@ -253,8 +254,8 @@ async def episode_detail(
 
 
 async def env_list(session: AsyncSession) -> dict[str, Any]:
-    """Registered envs with their live sessions (open episodes), and the envs live
-    episodes use that are not registered (the built-in ones, named by id)."""
+    """Registered envs with their live sessions (open episodes), and the built-in envs
+    (named by id) that live runs play or live episodes use."""
     live = dict(
         (
             await session.execute(
@@ -289,9 +290,16 @@ async def env_list(session: AsyncSession) -> dict[str, Any]:
                 "live_sessions": int(live_by_id.get(env["id"], 0)),
             }
         )
+    # Built-in envs: those live runs play (from their configs), and any with live sessions.
+    in_use = dict.fromkeys(live, 0)
+    configs = await session.scalars(select(Run.config).where(Run.status.in_(LIVE_RUN_STATUSES)))
+    for config in configs:
+        for env in config.get("envs") or []:
+            if isinstance(env, dict) and isinstance(env.get("id"), str):
+                in_use.setdefault(env["id"], 0)
     unregistered = [
-        {"env_ref": ref, "live_sessions": int(count)}
-        for ref, count in sorted(live.items())
+        {"env_ref": ref, "live_sessions": int(live.get(ref, 0))}
+        for ref in sorted(in_use)
         if ref not in claimed
     ]
     return {"items": items, "unregistered": unregistered}

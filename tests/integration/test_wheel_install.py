@@ -99,6 +99,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     shipped = {"env.py", "script.py.mako", *(f"versions/{v}" for v in versions)}
     assert {f"agentflow/_migrations/{f}" for f in shipped} <= names
     assert not any(n.startswith("alembic/") for n in names)  # would shadow the library
+    static = {p.name for p in (REPO / "agentflow" / "ui" / "static").iterdir()}
+    assert {f"agentflow/ui/static/{f}" for f in static} <= names  # the dashboard's files
 
     venv = root / "venv"
     python = venv / "bin" / "python"
@@ -185,6 +187,10 @@ def test_installed_wheel_migrates_and_serves(installed: Installed, fresh_url: st
                     break
                 time.sleep(0.2)
             assert status == 200, f"/healthz answered {status}; server log:\n{log.read_text()}"
+            # The dashboard's page and modules, read from the installed package.
+            for path in ("/ui", "/ui/static/app.js", "/ui/static/style.css"):
+                served = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+                assert served.status_code == 200 and served.content, path
         finally:
             server.terminate()
             try:

@@ -15,7 +15,7 @@ function route() {
   const [path, query = ""] = (window.location.hash.slice(1) || "/runs").split("?");
   const parts = path.split("/").filter(Boolean);
   const params = new URLSearchParams(query);
-  if (parts[0] === "runs" && parts.length === 1) return { name: "runs", page: runsPage };
+  if (parts[0] === "runs" && parts.length === 1) return { name: "runs", page: () => runsPage(params) };
   if (parts[0] === "runs" && parts[2] === "episodes") return { name: "runs", page: () => episodesPage(parts[1], params) };
   if (parts[0] === "runs") return { name: "runs", page: () => runPage(parts[1]) };
   if (parts[0] === "episodes") return { name: "runs", page: () => episodePage(parts[1]) };
@@ -61,10 +61,11 @@ function counts(episodes) {
 
 // ---- runs -------------------------------------------------------------------------
 
-async function runsPage() {
+async function runsPage(params) {
+  const offset = Number(params.get("offset") || 0);
   const holder = h("div");
   const fill = async () => {
-    const runs = await api(`/runs?limit=100`);
+    const runs = await api(`/runs?limit=${PAGE_SIZE}&offset=${offset}`);
     const rows = runs.items.map((run) =>
       h(
         "tr",
@@ -77,10 +78,16 @@ async function runsPage() {
         h("td", {}, when(run.created_at)),
       ),
     );
-    put(holder,
+    const pager = h("nav", { class: "pager" });
+    if (offset > 0) pager.append(h("a", { href: `#/runs?offset=${Math.max(0, offset - PAGE_SIZE)}`, rel: "prev" }, "← newer"));
+    if (runs.total > PAGE_SIZE) pager.append(h("span", { class: "range" }, `${offset + 1}–${offset + runs.items.length} of ${runs.total}`));
+    if (offset + runs.items.length < runs.total) pager.append(h("a", { href: `#/runs?offset=${offset + PAGE_SIZE}`, rel: "next" }, "older →"));
+    put(
+      holder,
       runs.items.length
         ? table(["Run", "Status", "Weight version", "Algorithm", "Episodes", "Created"], rows, { class: "runs" })
         : empty("No runs yet: start one with `agentflow runs create` or `POST /v1/runs`."),
+      pager,
     );
   };
   await fill();

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -183,6 +184,14 @@ async def test_the_dashboard_shows_a_real_run(
         await expect(page.locator("[data-fact=weight-version]")).to_have_text(str(STEPS))
         await page.screenshot(path=shots / "dashboard-run.png", full_page=True)
 
+        # The runs page lists it, with the version its engines serve.
+        await page.goto(f"{url}/ui#/runs")
+        listed = page.locator(f"table.runs tr[data-run-id='{run_id}']")
+        await expect(listed).to_contain_text("dashboard-rtpo")
+        await expect(listed.locator("td.num")).to_have_text(str(STEPS))
+        await expect(listed).to_contain_text("rtpo")
+        await page.screenshot(path=shots / "dashboard-runs.png")
+
         # Engines and envs, while the run still plays.
         await page.goto(f"{url}/ui#/engines")
         row = page.locator(f"table.engines tr[data-run-id='{run_id}']")
@@ -194,6 +203,8 @@ async def test_the_dashboard_shows_a_real_run(
         await page.goto(f"{url}/ui#/envs")
         env_row = page.locator("table.envs tr", has_text=env_name)
         await expect(env_row).to_contain_text("http")
+        builtin = page.locator("table.builtin-envs tr", has_text="agentflow/vault-v0")
+        await expect(builtin.locator("td.live")).to_have_text(re.compile(r"^\d+$"))
         await page.screenshot(path=shots / "dashboard-envs.png")
 
         stopped = httpx.post(f"{url}/v1/runs/{run_id}/stop", headers=AUTH, timeout=60)
