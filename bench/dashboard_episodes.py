@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +37,8 @@ from agentflow.db.session import create_engine
 # Run as a script, only bench/ is on sys.path: `tests` and `envs` import from the root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from envs.browser.chromium import chromium_executable  # noqa: E402
+from tests.integration.test_gateway_crash import gateway_process  # noqa: E402
+from tests.integration.test_serve import _free_port  # noqa: E402
 from tests.support.scratch_db import scratch_database  # noqa: E402
 
 KEY = "bench-key"
@@ -141,39 +140,12 @@ async def set_run_indexes(url: str, present: bool) -> None:
         await engine.dispose()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def gateway(url: str, cwd: Path) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "AGENTFLOW_DATABASE_URL": url, "AGENTFLOW_API_KEY": KEY}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    """`agentflow serve` on a free port, with the key; its base URL."""
+    port = _free_port()
+    with gateway_process(url, cwd, port, AGENTFLOW_API_KEY=KEY):
+        yield f"http://127.0.0.1:{port}"
 
 
 async def measure(base: str, run_id: uuid.UUID, repeat: int) -> dict[str, float]:

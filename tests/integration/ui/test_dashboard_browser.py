@@ -32,6 +32,7 @@ from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.types import TurnRecord
 from envs.browser.chromium import chromium_executable
+from tests.e2e.test_rtpo_run import _config as rtpo_config
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
 
@@ -44,25 +45,13 @@ TIMEOUT_MS = 60_000
 
 
 def _config(tmp_path: Path) -> dict[str, Any]:
-    """A small RTPO run: each episode is re-rolled from its later turns, so its tree forks."""
-    return {
-        "name": "dashboard-rtpo",
-        "seed": 1,
-        "model": {"init": {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}},
-        "engine": {"type": "local", "max_batch_size": 32},
-        "envs": [{"id": "agentflow/vault-v0", "max_concurrency": 32}],
-        "agent": {"max_turns": 3, "max_new_tokens": 4},
-        "rollout": {"group_size": 2, "max_staleness": 1},
-        "trainer": {
-            "algorithm": "rtpo",
-            "batch_episodes": 12,
-            "steps": STEPS,
-            "checkpoint_every": STEPS,
-            "run_dir": str(tmp_path / "runs"),
-        },
-        "rtpo": {"branches": 1},
-        "weights": {"sync": "disk", "dir": str(tmp_path / "weights")},
-    }
+    """The RTPO e2e test's small run (each episode re-rolled from its later turns, so its
+    tree forks), for STEPS steps by disk sync."""
+    document = rtpo_config(tmp_path)
+    document["name"] = "dashboard-rtpo"
+    document["trainer"].update(steps=STEPS, checkpoint_every=STEPS)
+    document["weights"] = {"sync": "disk", "dir": str(tmp_path / "weights")}
+    return document
 
 
 def _shots(tmp_path: Path) -> Path:
