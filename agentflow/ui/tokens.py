@@ -9,6 +9,7 @@ the dashboard shows token ids alone; it never fails the page.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -27,18 +28,21 @@ class TokenTexts:
     def __init__(self, runtimes: RuntimeRegistry) -> None:
         self._runtimes = runtimes
         self._built: OrderedDict[uuid.UUID, Tokenizer | None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def tokenizer(self, run_id: uuid.UUID | None, config: Mapping[str, Any]) -> Tokenizer | None:
         if run_id is not None and run_id in self._runtimes:
             return self._runtimes.get(run_id).template.tokenizer
         key = run_id or uuid.UUID(int=0)
-        if key in self._built:
-            self._built.move_to_end(key)
-            return self._built[key]
+        with self._lock:  # called from worker threads (building one may read files)
+            if key in self._built:
+                self._built.move_to_end(key)
+                return self._built[key]
         tokenizer = _build(config)
-        self._built[key] = tokenizer
-        if len(self._built) > _KEPT:
-            self._built.popitem(last=False)
+        with self._lock:
+            self._built[key] = tokenizer
+            if len(self._built) > _KEPT:
+                self._built.popitem(last=False)
         return tokenizer
 
     @staticmethod
