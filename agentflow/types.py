@@ -288,6 +288,10 @@ class EpisodeInfo:
     error: str | None
     created_at: datetime
     finished_at: datetime | None
+    # The oldest and newest weight versions its tokens were sampled with (set when it
+    # finishes; None while live or without policy tokens).
+    min_weight_version: int | None = None
+    max_weight_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -206,6 +206,8 @@ def episode_fields(row: Any) -> dict[str, Any]:
         "error": row.error,
         "created_at": aware(row.created_at),
         "finished_at": None if row.finished_at is None else aware(row.finished_at),
+        "min_weight_version": row.min_weight_version,
+        "max_weight_version": row.max_weight_version,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -22,7 +22,7 @@ from agentflow.db.models import Environment, Episode, Run, Turn, WeightVersion
 from agentflow.db.runs import LIVE_RUN_STATUSES
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import NotFound
-from agentflow.types import OPEN_EPISODE_STATUSES, TurnNode
+from agentflow.types import OPEN_EPISODE_STATUSES, EpisodeInfo, TurnNode
 from agentflow.ui.tokens import TokenTexts
 
 # An engine that does not answer this fast shows as down: a page never waits on it.
@@ -202,13 +202,6 @@ async def episode_detail(
     run = None if tree.run_id is None else await session.get(Run, tree.run_id)
     config = run.config if run is not None else {}
     tokenizer = await asyncio.to_thread(token_texts.tokenizer, tree.run_id, config)
-    versions = (
-        await session.execute(
-            select(Episode.min_weight_version, Episode.max_weight_version).where(
-                Episode.id == episode_id
-            )
-        )
-    ).one()
     trained = {t.leaf_turn_id: t.reward for t in tree.trajectories}
 
     def node(turn: TurnNode) -> dict[str, Any]:
@@ -235,19 +228,8 @@ async def episode_detail(
         }
 
     return {
-        "id": tree.id,
-        "run_id": tree.run_id,
+        **{f.name: getattr(tree, f.name) for f in fields(EpisodeInfo)},
         "run_name": None if run is None else run.name,
-        "env_ref": tree.env_ref,
-        "task": tree.task,
-        "group_id": tree.group_id,
-        "status": tree.status,
-        "reward": tree.reward,
-        "error": tree.error,
-        "created_at": tree.created_at,
-        "finished_at": tree.finished_at,
-        "min_weight_version": versions.min_weight_version,
-        "max_weight_version": versions.max_weight_version,
         "live": tree.status in OPEN_EPISODE_STATUSES,
         "roots": [node(root) for root in tree.roots],
     }
