@@ -1,0 +1,1 @@
+"""The `megatron` trainer backend: megatron-core's GPTModel on CUDA (docs/megatron.md)."""
