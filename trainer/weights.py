@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from agentflow.client import AsyncClient
 
-SyncMode = Literal["inprocess", "disk"]
+SyncMode = Literal["inprocess", "disk", "nccl"]
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -175,11 +175,11 @@ class WeightPublisher:
         started = time.perf_counter()
         if self.mode == "inprocess":
             # Copied before the first await: the caller's next optimizer step cannot race it.
-            tensors = _unique_tensors(state_dict, copy=True, drop_aliases=False)
+            tensors = unique_tensors(state_dict, copy=True, drop_aliases=False)
             update = WeightUpdate(state_dict=tensors, version=version)
             path = None
         else:
-            tensors = _unique_tensors(state_dict, copy=False, drop_aliases=True)
+            tensors = unique_tensors(state_dict, copy=False, drop_aliases=True)
             final = self.version_dir(version)
             await asyncio.to_thread(self._write_version, tensors, version, final)
             update = WeightUpdate(path=str(final), version=version)
@@ -374,7 +374,7 @@ def _unique(names: list[str]) -> list[str]:
     return [f"{name}#{i}" for i, name in enumerate(names)]
 
 
-def _unique_tensors(
+def unique_tensors(
     state_dict: Mapping[str, torch.Tensor], *, copy: bool, drop_aliases: bool
 ) -> dict[str, torch.Tensor]:
     """Detached tensors by name; names that alias one tensor (tied embeddings) are either

@@ -132,20 +132,77 @@ class PauseMode(StrEnum):
     IN_PLACE = "in_place"  # requests keep their KV; a weight update must not flush it
 
 
+class WeightGroup(BaseModel):
+    """A process group in which a trainer (rank 0) broadcasts weights to engine ranks
+    (`agentflow.inference.broadcast`); an engine's ranks join from `rank_offset` on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    master_address: str = Field(min_length=1, description="where rank 0 serves the store")
+    master_port: int = Field(ge=1, le=65535)
+    group_name: str = Field(min_length=1, max_length=200)
+    backend: Literal["nccl", "gloo"] = Field(default="nccl", description="gloo: CPU tensors")
+    world_size: int = Field(ge=2, description="the trainer and every engine rank")
+    rank_offset: int = Field(default=1, ge=1, description="this engine's first rank")
+    timeout_s: float = Field(default=600.0, gt=0, description="joining and each broadcast")
+
+    @model_validator(mode="after")
+    def _offset_inside(self) -> WeightGroup:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} is outside the group")
+        return self
+
+
+class TensorBucket(BaseModel):
+    """Tensors broadcast one after another, in this order (SGLang's
+    `/update_weights_from_distributed` body)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(description="torch dtype names: `bfloat16`, `float32`")
+    shapes: list[list[int]]
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> TensorBucket:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError("names, dtypes and shapes must be of equal length")
+        return self
+
+
+class BroadcastWeights(BaseModel):
+    """Weights that arrive over a `WeightGroup`, bucket after bucket."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_name: str = Field(min_length=1, max_length=200)
+    buckets: list[TensorBucket] = Field(min_length=1)
+
+
 class WeightUpdate(BaseModel):
-    """New weights: tensors handed over in process, or a safetensors directory on disk."""
+    """New weights: tensors handed over in process, a safetensors directory on disk, or
+    tensors a trainer broadcasts over a `WeightGroup` the engine has joined."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
     version: int | None = Field(default=None, description="None: current version + 1")
     state_dict: Mapping[str, Any] | None = None
     path: str | None = Field(default=None, description="HF-format safetensors directory")
+    broadcast: BroadcastWeights | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> WeightUpdate:
-        if (self.state_dict is None) == (self.path is None):
-            raise ValueError("give exactly one of state_dict or path")
+        given = [x for x in (self.state_dict, self.path, self.broadcast) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of state_dict, path or broadcast")
         return self
+
+    @property
+    def uri(self) -> str | None:
+        """Where the version's weights came from, as a run records it (None: in process)."""
+        if self.broadcast is not None:
+            return f"broadcast://{self.broadcast.group_name}"
+        return self.path
 
 
 def next_weight_version(current: int, update: WeightUpdate) -> int:
@@ -169,6 +226,20 @@ class EngineInfo(BaseModel):
     kv_tokens: int = Field(default=0, description="tokens held in session KV caches")
     accepts_images: bool = Field(default=False, description="takes `image_data` (a vision model)")
     extra: dict[str, Any] = Field(default_factory=dict)
+
+
+@runtime_checkable
+class BroadcastReceiver(Protocol):
+    """An engine that takes weights broadcast by a trainer (`WeightUpdate.broadcast`)."""
+
+    async def weight_group_ranks(self) -> int:
+        """How many ranks of this engine join a weight group (its GPUs)."""
+        ...
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Have every rank join `group` from `group.rank_offset` on; returns once the whole
+        group has formed, so the trainer joins at the same time."""
+        ...
 
 
 @runtime_checkable

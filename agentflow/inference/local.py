@@ -326,6 +326,11 @@ class LocalEngine:
                 self._runner.store.clear()
         return version
 
+    def weight_names(self) -> list[str]:
+        """The parameters a full weight update must cover (a tied output layer is not one:
+        it is the embedding)."""
+        return [name for name, _ in self._runner.model.named_parameters()]
+
     async def accepts_images(self) -> bool:
         """Never: the local models are text-only."""
         return False

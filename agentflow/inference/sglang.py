@@ -42,6 +42,7 @@ from agentflow.inference.base import (
     GenerateResult,
     PauseMode,
     TokenObserver,
+    WeightGroup,
     WeightUpdate,
 )
 from agentflow.inference.sglang_http import (
@@ -307,16 +308,20 @@ class SGLangEngine:
         return wire.version_from_wire(answer.get("weight_version"))
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        """Load a safetensors directory on every worker (`/update_weights_from_disk`).
+        """Load a safetensors directory on every worker (`/update_weights_from_disk`), or
+        receive a trainer's broadcast over a group the workers joined
+        (`/update_weights_from_distributed`, one call per bucket, the cache flushed with
+        the last).
 
-        Tensors held in memory reach SGLang through NCCL or CUDA IPC instead; use
-        `init_weights_update_group` + `update_weights_from_distributed`, or
+        Tensors held in this process reach SGLang through CUDA IPC instead:
         `update_weights_from_tensor`.
         """
+        if update.broadcast is not None:
+            return await self._receive_broadcast(update)
         if update.path is None:
             raise EngineRequestError(
-                "SGLangEngine loads weights from a directory; send in-memory tensors with "
-                "update_weights_from_distributed or update_weights_from_tensor"
+                "SGLangEngine loads weights from a directory or a trainer's broadcast; send "
+                "in-memory tensors with update_weights_from_tensor"
             )
         version = update.version if update.version is not None else await self._next_version()
         answers = await self._broadcast(
@@ -328,6 +333,63 @@ class SGLangEngine:
             expect_success(answer, "/update_weights_from_disk")
         self._version = version
         return version
+
+    async def _receive_broadcast(self, update: WeightUpdate) -> int:
+        assert update.broadcast is not None
+        version = update.version if update.version is not None else await self._next_version()
+        buckets = update.broadcast.buckets
+        for k, bucket in enumerate(buckets):
+            # Sequential: each call returns when the trainer's broadcast of that bucket has
+            # ended, and the trainer sends the buckets in this order.
+            await self.update_weights_from_distributed(
+                names=bucket.names,
+                dtypes=bucket.dtypes,
+                shapes=bucket.shapes,
+                group_name=update.broadcast.group_name,
+                version=version,
+                flush_cache=k == len(buckets) - 1,
+            )
+        return version
+
+    async def weight_group_ranks(self) -> int:
+        """Every worker's tensor-parallel size (`/server_info`), added up."""
+        return sum([await self._tp_size(url) for url in await self.worker_urls()])
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Every worker joins `group`, its ranks after the previous worker's, all at once
+        (the group forms only when every rank and the trainer have joined)."""
+        urls = await self.worker_urls()
+        offsets, offset = [], group.rank_offset
+        for url in urls:
+            offsets.append(offset)
+            offset += await self._tp_size(url)
+        await asyncio.gather(
+            *(
+                self.init_weights_update_group(
+                    master_address=group.master_address,
+                    master_port=group.master_port,
+                    rank_offset=first,
+                    world_size=group.world_size,
+                    group_name=group.group_name,
+                    backend=group.backend,
+                    worker_url=url,
+                )
+                for url, first in zip(urls, offsets, strict=True)
+            )
+        )
+
+    async def _tp_size(self, url: str) -> int:
+        info = expect_dict(
+            await call(
+                self._client,
+                "GET",
+                f"{url}/server_info",
+                policy=self.settings.retry,
+                timeout_s=self.settings.control_timeout_s,
+            ),
+            "/server_info",
+        )
+        return int(info.get("tp_size") or 1)
 
     async def _next_version(self) -> int:
         return (self._version if self._version is not None else await self.current_version()) + 1

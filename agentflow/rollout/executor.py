@@ -173,7 +173,7 @@ class RunExecutor:
         seconds = asyncio.get_running_loop().time() - started
         self.counters.weight_updates += 1
         self.counters.update_seconds += seconds
-        uri = update.path or IN_PROCESS_URI
+        uri = update.uri or IN_PROCESS_URI
         await self.runs.record_version(self.run_id, version, uri, {"switch_seconds": seconds})
         self.weight_version = version
         if self.gate is not None:

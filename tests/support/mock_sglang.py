@@ -4,8 +4,13 @@ It speaks SGLang's HTTP API as a server started with `--skip-tokenizer-init` doe
 ids out) and is strict where SGLang is: an unknown `sampling_params` key is a 400. It is
 stricter on top-level `/generate` keys (unknown ones are a 400 too), to catch client typos
 that sglang-router would otherwise drop without a word. Features SGLang has but this
-worker does not (text input, batched input, penalties, grammars, NCCL weight updates)
-are refused with a 400 that says so, never faked. `stream: true` answers with SGLang's
+worker does not (text input, batched input, penalties, grammars, CUDA IPC weight updates,
+NCCL groups without a GPU) are refused with a 400 that says so, never faked.
+
+Weights broadcast by a trainer are received for real: `/init_weights_update_group` joins
+the trainer's group (`agentflow.inference.broadcast`; `gloo` on CPU) and
+`/update_weights_from_distributed` receives each bucket from it. Buckets are staged and
+the engine switches, all at once, when they cover every weight. `stream: true` answers with SGLang's
 non-incremental server-sent events (each chunk the output so far, `completion_tokens` in
 its `meta_info`), a chunk per decode step of an engine that streams. Backed by
 `LocalEngine`, the answers are real model output.
@@ -46,6 +51,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from agentflow.errors import AgentFlowError, CapacityExceeded, EngineError, EngineUnavailable
+from agentflow.inference import broadcast
 from agentflow.inference import sglang_wire as wire
 from agentflow.inference.base import (
     Engine,
@@ -54,7 +60,9 @@ from agentflow.inference.base import (
     PauseMode,
     SamplingParams,
     SessionRef,
+    TensorBucket,
     TokenObserver,
+    WeightGroup,
     WeightUpdate,
     generate_observed,
 )
@@ -130,6 +138,17 @@ def _version(weight_version: str | None) -> int | None:
         raise Refusal(f"{exc.message}: this worker counts integers") from None
 
 
+def _failure(message: str) -> JSONResponse:
+    """SGLang's answer to a weights call that did not succeed."""
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -146,6 +165,9 @@ class WorkerState:
         self.in_flight: set[str] = set()
         self.held: dict[str, asyncio.Event] = {}  # rid -> set when aborted while held
         self.log: deque[dict[str, Any]] = deque(maxlen=10_000)  # recent /generate calls
+        self.control: deque[dict[str, Any]] = deque(maxlen=10_000)  # other routes, in order
+        self.weight_groups: dict[str, Any] = {}  # group name -> torch process group
+        self.staged: dict[str, Any] = {}  # received tensors not yet loaded
 
     async def hold_while_paused(self, rid: str) -> bool:
         """Wait for continue; False when the request was aborted meanwhile."""
@@ -410,6 +432,7 @@ def create_mock_worker(
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, str]:
+        state.control.append({"route": "/pause_generation", "body": await json_body(request)})
         body = await json_body(request)
         try:
             mode = PauseMode(body.get("mode", "abort"))
@@ -423,6 +446,7 @@ def create_mock_worker(
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> dict[str, str]:
+        state.control.append({"route": "/continue_generation"})
         await engine.resume()
         state.running.set()
         return {"status": "ok"}
@@ -430,6 +454,7 @@ def create_mock_worker(
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = wire.UpdateWeightsFromDiskBody.model_validate(await json_body(request))
+        state.control.append({"route": "/update_weights_from_disk", "body": body.model_dump()})
         if body.abort_all_requests:
             for rid in list(state.in_flight):
                 await engine.abort(rid)
@@ -448,20 +473,56 @@ def create_mock_worker(
         )
 
     def unsupported(route: str) -> JSONResponse:
-        return JSONResponse(
-            {"success": False, "message": f"{route}: this worker has no NCCL/CUDA IPC support"},
-            status_code=400,
-        )
+        return _failure(f"{route}: this worker has no CUDA IPC support")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
-        wire.InitWeightsUpdateGroupBody.model_validate(await json_body(request))
-        return unsupported("/init_weights_update_group")
+        body = wire.InitWeightsUpdateGroupBody.model_validate(await json_body(request))
+        state.control.append({"route": "/init_weights_update_group", "body": body.model_dump()})
+        if body.backend == "nccl" and not _has_cuda():
+            return _failure("NCCL needs a GPU and this worker has none; use backend gloo")
+        if body.group_name in state.weight_groups:
+            return _failure(f"group {body.group_name!r} exists")
+        group = WeightGroup(
+            master_address=body.master_address,
+            master_port=body.master_port,
+            group_name=body.group_name,
+            backend=body.backend,  # type: ignore[arg-type]  # checked by WeightGroup
+            world_size=body.world_size,
+            rank_offset=body.rank_offset,
+        )
+        try:  # blocks until the trainer and every other rank have joined
+            state.weight_groups[body.group_name] = await asyncio.to_thread(
+                broadcast.open_group, group, body.rank_offset
+            )
+        except Exception as exc:  # a rendezvous that timed out, a bad address
+            return _failure(f"joining the group failed: {exc}")
+        return JSONResponse({"success": True, "message": "Succeeded to initialize group."})
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        wire.UpdateWeightsFromDistributedBody.model_validate(await json_body(request))
-        return unsupported("/update_weights_from_distributed")
+        body = wire.UpdateWeightsFromDistributedBody.model_validate(await json_body(request))
+        state.control.append(
+            {"route": "/update_weights_from_distributed", "body": body.model_dump()}
+        )
+        group = state.weight_groups.get(body.group_name)
+        if group is None:
+            return _failure(f"no group {body.group_name!r}: call /init_weights_update_group")
+        bucket = TensorBucket(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
+        try:
+            state.staged.update(await asyncio.to_thread(broadcast.receive_bucket, group, bucket))
+        except Exception as exc:  # the trainer went away mid-broadcast
+            state.staged.clear()
+            return _failure(f"receiving the bucket failed: {exc}")
+        names = getattr(engine, "weight_names", None)
+        if names is not None and set(names()) <= set(state.staged):
+            staged, state.staged = state.staged, {}
+            update = WeightUpdate(state_dict=staged, version=_version(body.weight_version))
+            try:
+                await engine.update_weights(update)
+            except AgentFlowError as exc:
+                return _failure(str(exc))
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
@@ -487,6 +548,7 @@ def create_mock_worker(
             "context_length": state.context_length or info.max_context,
             "skip_tokenizer_init": True,
             "version": wire.SGLANG_VERSION,
+            "tp_size": 1,
         }
 
     for path in ("/model_info", "/get_model_info"):
@@ -508,6 +570,10 @@ def create_mock_worker(
     @app.get("/mock/requests")
     async def mock_requests() -> list[dict[str, Any]]:
         return list(state.log)
+
+    @app.get("/mock/control")
+    async def mock_control() -> list[dict[str, Any]]:
+        return list(state.control)
 
     @app.get("/mock/state")
     async def mock_state() -> dict[str, Any]:
