@@ -34,6 +34,7 @@ from agentflow.errors import (
     NotFound,
     Unauthorized,
 )
+from agentflow.inference.base import BroadcastWeights, WeightGroup
 from agentflow.run_config import RunConfig
 from agentflow.types import Trajectory
 
@@ -174,9 +175,28 @@ class _Endpoints:
         return _Call("GET", f"/v1/trajectories/{trajectory_id}", dict)
 
     @staticmethod
-    def update_weights(run_id: uuid.UUID | str, version: int, path: str) -> _Call[int]:
-        body = {"version": version, "path": path}
+    def update_weights(
+        run_id: uuid.UUID | str,
+        version: int,
+        path: str | None = None,
+        broadcast: BroadcastWeights | None = None,
+    ) -> _Call[int]:
+        body: dict[str, Any] = {"version": version}
+        if path is not None:
+            body["path"] = path
+        if broadcast is not None:
+            body["broadcast"] = broadcast.model_dump()
         return _Call("POST", f"/v1/runs/{run_id}/weights", lambda r: int(r["version"]), json=body)
+
+    @staticmethod
+    def weight_group_ranks(run_id: uuid.UUID | str) -> _Call[int]:
+        return _Call("GET", f"/v1/runs/{run_id}/weights/group", lambda r: int(r["ranks"]))
+
+    @staticmethod
+    def join_weight_group(run_id: uuid.UUID | str, group: WeightGroup) -> _Call[None]:
+        return _Call(
+            "POST", f"/v1/runs/{run_id}/weights/group", lambda r: None, json=group.model_dump()
+        )
 
     @staticmethod
     def run_metrics(run_id: uuid.UUID | str) -> _Call[dict[str, Any]]:
@@ -451,8 +471,25 @@ class AsyncClient:
     async def get_trajectory(self, trajectory_id: uuid.UUID | str) -> dict[str, Any]:
         return await self._send(_Endpoints.get_trajectory(trajectory_id))
 
-    async def update_weights(self, run_id: uuid.UUID | str, version: int, path: str) -> int:
-        return await self._send(_Endpoints.update_weights(run_id, version, path))
+    async def update_weights(
+        self,
+        run_id: uuid.UUID | str,
+        version: int,
+        path: str | None = None,
+        *,
+        broadcast: BroadcastWeights | None = None,
+    ) -> int:
+        """Switch a live run's engines to `version`: the weights directory `path`, or the
+        buckets being broadcast over the run's weight group."""
+        return await self._send(_Endpoints.update_weights(run_id, version, path, broadcast))
+
+    async def weight_group_ranks(self, run_id: uuid.UUID | str) -> int:
+        """How many ranks the run's engines bring to a trainer's weight group."""
+        return await self._send(_Endpoints.weight_group_ranks(run_id))
+
+    async def join_weight_group(self, run_id: uuid.UUID | str, group: WeightGroup) -> None:
+        """Have the run's engines join `group`; answers once the trainer has joined too."""
+        return await self._send(_Endpoints.join_weight_group(run_id, group))
 
     async def run_metrics(self, run_id: uuid.UUID | str) -> dict[str, Any]:
         """The trainer's metrics per weight version."""

@@ -476,22 +476,38 @@ class WarmStartConfig(_Section):
     )
 
 
+class BroadcastConfig(_Section):
+    """`sync = "nccl"`: how the trainer broadcasts weights (trainer/broadcast_sync.py)."""
+
+    backend: Literal["nccl", "gloo"] = Field(
+        default="nccl",
+        description="nccl between GPUs; gloo moves CPU tensors (tests, CPU trainers)",
+    )
+    master_address: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="the trainer's address as the engines reach it (it serves the group's store)",
+    )
+    master_port: int = Field(default=0, ge=0, le=65535, description="0: a free port")
+    bucket_mb: float = Field(
+        default=512.0, gt=0, le=65536, description="tensors per broadcast call, in MiB"
+    )
+    timeout_s: float = Field(
+        default=600.0, gt=0, description="forming the group, and each bucket's broadcast"
+    )
+
+
 class WeightsConfig(_Section):
     sync: Literal["inprocess", "disk", "nccl"] = Field(
         default="inprocess",
         description="inprocess: the embedded trainer's local engine; disk: safetensors the "
-        "engines load (the split trainer); nccl is not available yet",
+        "engines load (the split trainer); nccl: the split trainer broadcasts to SGLang "
+        "engines over a process group ([weights.broadcast])",
     )
     dir: str = Field(
         default="", description="where `disk` sync writes shards; empty: RUN_DIR/weights"
     )
-
-    @field_validator("sync")
-    @classmethod
-    def _sync(cls, value: str) -> str:
-        if value == "nccl":
-            raise _not_available(repr(value), MEGATRON)
-        return value
+    broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig)
 
     @field_validator("dir")
     @classmethod
@@ -500,6 +516,12 @@ class WeightsConfig(_Section):
         if value and sync not in (None, "disk"):
             raise ValueError(f"only disk sync writes here; with sync = {sync!r} nothing is")
         return value
+
+    @model_validator(mode="after")
+    def _broadcast_is_nccl(self) -> WeightsConfig:
+        if self.sync != "nccl" and self.broadcast != BroadcastConfig():
+            raise ValueError(f"[weights.broadcast] is for sync = 'nccl', not {self.sync!r}")
+        return self
 
 
 class TeacherConfig(_Section):
@@ -642,6 +664,17 @@ class RunConfig(_Section):
             raise ValueError(
                 "an sglang engine needs model.path (its tokenizer must match the server's); "
                 "model.init builds a model only for the local engine"
+            )
+        return value
+
+    @field_validator("weights")
+    @classmethod
+    def _broadcast_reaches_sglang(cls, value: WeightsConfig, info: ValidationInfo) -> Any:
+        engine = info.data.get("engine")
+        if value.sync == "nccl" and engine is not None and engine.type != "sglang":
+            raise ValueError(
+                "sync = 'nccl' broadcasts to SGLang engines; a local engine takes weights "
+                "in process (inprocess) or from disk"
             )
         return value
 

@@ -45,6 +45,8 @@ from trainer.weights import SyncReport, TargetReport, WeightSyncError, target_na
 if TYPE_CHECKING:
     import torch
 
+    from agentflow.run_config import RunConfig
+
 
 class BroadcastSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,6 +73,19 @@ class BroadcastTarget(Protocol):
 
 
 _groups = itertools.count(1)
+
+
+def broadcast_settings(config: RunConfig) -> BroadcastSettings:
+    """The run config's `[weights.broadcast]`, broadcasting from the trainer's device."""
+    chosen = config.weights.broadcast
+    return BroadcastSettings(
+        backend=chosen.backend,
+        master_address=chosen.master_address,
+        master_port=chosen.master_port,
+        bucket_bytes=int(chosen.bucket_mb * 1024 * 1024),
+        timeout_s=chosen.timeout_s,
+        device=config.trainer.device if chosen.backend == "nccl" else "cpu",
+    )
 
 
 class BroadcastPublisher:

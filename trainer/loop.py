@@ -31,7 +31,7 @@ from trainer.backends.torch_backend import TorchPolicy, checkpoint_dir, latest_c
 from trainer.batching import Advantage, split_valid
 from trainer.credit import by_depth_deepest_first, reverse_tree, turn_level_advantages
 from trainer.teachers import TeacherError, TeacherManager
-from trainer.weights import WeightPublisher
+from trainer.weights import Publisher
 
 
 class RunEnded(AgentFlowError):
@@ -75,7 +75,7 @@ StepHook = Callable[[int, dict[str, float], Sequence[Trajectory]], Awaitable[Non
 async def train(
     policy: TorchPolicy,
     stream: TrajectoryStream,
-    publisher: WeightPublisher,
+    publisher: Publisher,
     settings: LoopSettings,
     state: LoopState,
     *,

@@ -1,16 +1,18 @@
 """`agentflow trainer CONFIG --gateway URL [--run ID]`: the split form's trainer.
 
 The gateway executes the run (engines, envs, agents, database); this process leases
-trajectories over HTTP, trains, and publishes each version with `disk` sync: a
-safetensors directory the gateway's engines load (it must be readable at the same path
-there). The loop, checkpoints and acknowledgement rules are the embedded ones.
+trajectories over HTTP, trains, and publishes each version with `disk` sync (a
+safetensors directory the gateway's engines load; it must be readable at the same path
+there) or `nccl` sync (a broadcast to the run's SGLang engines over a process group they
+join through the gateway: trainer/broadcast_sync.py). The loop, checkpoints and
+acknowledgement rules are the embedded ones.
 
 What this process form cannot do is refused before anything starts, naming the field:
-any sync but `disk`, the warm start (the gateway builds its engine from `model`, so run
-`agentflow sft` first and point `model.path` at its output), a CUDA device this machine
-lacks, and a config that disagrees with the run's on what both sides use (the starting
-model, the sampling temperature the log-probs are taken at, the group size, the batch the
-gateway's staleness gate admits episodes for).
+`inprocess` sync, an NCCL broadcast from a CPU trainer, the warm start (the gateway
+builds its engine from `model`, so run `agentflow sft` first and point `model.path` at
+its output), a CUDA device this machine lacks, and a config that disagrees with the
+run's on what both sides use (the starting model, the sampling temperature the log-probs
+are taken at, the group size, the batch the gateway's staleness gate admits episodes for).
 
 Every call to the gateway goes through a `RetryingTransport`: a gateway that restarts
 within the retry window (`--retry-window-s`) costs this process waits, not its state;
@@ -49,12 +51,13 @@ from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
 from agentflow.run_config import RunConfig, check_device
+from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings
 from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
 from trainer.setup import build_policy, loop_settings
 from trainer.teachers import build_teachers, check_teachers
-from trainer.weights import GatewayWeightTarget, WeightPublisher, WeightSyncError
+from trainer.weights import GatewayWeightTarget, Publisher, WeightPublisher, WeightSyncError
 
 # What the gateway's run and this trainer both use, so must agree on (the model's seed only
 # matters when it is built from `model.init`).
@@ -99,10 +102,21 @@ def train_remote(
 
 def check_split_form(config: RunConfig) -> None:
     """Refuse, naming the field, what a trainer in its own process cannot do."""
-    if config.weights.sync != "disk":
+    if config.weights.sync not in ("disk", "nccl"):
         raise InvalidInput(
-            f"a trainer in its own process publishes with disk sync, not {config.weights.sync!r}",
+            "a trainer in its own process publishes with disk or nccl sync, not "
+            f"{config.weights.sync!r}",
             field=("weights", "sync"),
+        )
+    if (
+        config.weights.sync == "nccl"
+        and config.weights.broadcast.backend == "nccl"
+        and not config.trainer.device.startswith("cuda")
+    ):
+        raise InvalidInput(
+            "the nccl backend broadcasts CUDA tensors and this trainer's device is "
+            f"{config.trainer.device!r}: train on a CUDA device, or broadcast with gloo",
+            field=("weights", "broadcast", "backend"),
         )
     if config.warm_start.enabled:
         raise InvalidInput(
@@ -386,10 +400,15 @@ async def _train(
         )
         target = GatewayWeightTarget(gateway, run_id, api_key, client=weights_api)
         published = RepeatablePublish(target, client, str(run_id))
-        weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
-        publisher = WeightPublisher(
-            "disk", [published], weights_dir.resolve(), config=policy.model.config
-        )
+        publisher: Publisher
+        if config.weights.sync == "nccl":
+            # Not repeatable: a broadcast the engines missed cannot be asked for again.
+            publisher = BroadcastPublisher([target], broadcast_settings(config))
+        else:
+            weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
+            publisher = WeightPublisher(
+                "disk", [published], weights_dir.resolve(), config=policy.model.config
+            )
 
         async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
             row = {**summarize_batch(batch, state.version - 1), **metrics}
@@ -427,6 +446,8 @@ async def _train(
             raise
         finally:
             report.close()
+            if isinstance(publisher, BroadcastPublisher):
+                publisher.close()
             await weights_api.aclose()
             if teachers is not None:
                 await teachers.close()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from agentflow.errors import EngineError, InvalidInput
-from agentflow.inference.base import WeightUpdate
+from agentflow.inference.base import WeightGroup, WeightUpdate
 from agentflow.modeling import MODEL_INIT_FILE
 
 if TYPE_CHECKING:
@@ -66,6 +66,16 @@ class WeightTarget(Protocol):
     """
 
     async def update_weights(self, update: WeightUpdate) -> int: ...
+
+
+class Publisher(Protocol):
+    """What the train loop publishes each version through: `WeightPublisher` (inprocess,
+    disk) or `trainer.broadcast_sync.BroadcastPublisher` (nccl)."""
+
+    @property
+    def published_version(self) -> int: ...
+
+    async def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> SyncReport: ...
 
 
 def target_name(target: object) -> str:
@@ -331,11 +341,14 @@ def sha256_of(path: Path) -> str:
 
 
 class GatewayWeightTarget:
-    """A run's engines behind a gateway: `POST /v1/runs/{run_id}/weights` with a directory.
+    """A run's engines behind a gateway: `POST /v1/runs/{run_id}/weights`.
 
-    For a trainer in its own process (`agentflow trainer --gateway URL`) with `disk` sync;
-    the gateway pauses the run's engines, loads the directory and records the version.
-    The directory must be readable at the same path where the gateway and engines run.
+    For a trainer in its own process (`agentflow trainer --gateway URL`). With `disk`
+    sync it names a directory, which must be readable at the same path where the gateway
+    and engines run; with `nccl` sync it names the buckets being broadcast and is a
+    `BroadcastTarget` (trainer/broadcast_sync.py): the run's engines join the trainer's
+    group through the gateway. Either way the gateway pauses the run's engines, switches
+    them and records the version.
     """
 
     def __init__(
@@ -355,12 +368,21 @@ class GatewayWeightTarget:
         self._client = client or AsyncClient(base_url, api_key=api_key, timeout_s=timeout_s)
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        if update.path is None or update.version is None:
+        if update.version is None or update.state_dict is not None:
             raise InvalidInput(
-                "a gateway takes a versioned weights directory: publish with disk sync",
+                "a gateway takes a versioned weights directory (disk sync) or broadcast "
+                "(nccl sync)",
                 field="mode",
             )
-        return await self._client.update_weights(self.run_id, update.version, update.path)
+        return await self._client.update_weights(
+            self.run_id, update.version, update.path, broadcast=update.broadcast
+        )
+
+    async def weight_group_ranks(self) -> int:
+        return await self._client.weight_group_ranks(self.run_id)
+
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        await self._client.join_weight_group(self.run_id, group)
 
     async def aclose(self) -> None:
         if self._own_client:

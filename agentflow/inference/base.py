@@ -179,6 +179,9 @@ class BroadcastWeights(BaseModel):
     buckets: list[TensorBucket] = Field(min_length=1)
 
 
+BROADCAST_URI_PREFIX = "broadcast://"  # a recorded version whose weights were broadcast
+
+
 class WeightUpdate(BaseModel):
     """New weights: tensors handed over in process, a safetensors directory on disk, or
     tensors a trainer broadcasts over a `WeightGroup` the engine has joined."""
@@ -201,7 +204,7 @@ class WeightUpdate(BaseModel):
     def uri(self) -> str | None:
         """Where the version's weights came from, as a run records it (None: in process)."""
         if self.broadcast is not None:
-            return f"broadcast://{self.broadcast.group_name}"
+            return BROADCAST_URI_PREFIX + self.broadcast.group_name
         return self.path
 
 

@@ -23,7 +23,14 @@ from agentflow.config import Settings
 from agentflow.db.runs import IN_PROCESS_URI, RunStore
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict, InvalidInput, WeightsNotFound
-from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
+from agentflow.inference.base import (
+    BROADCAST_URI_PREFIX,
+    BroadcastReceiver,
+    PauseMode,
+    SamplingParams,
+    WeightGroup,
+    WeightUpdate,
+)
 from agentflow.metrics import GatewayMetrics
 from agentflow.plugins import load_function
 from agentflow.rollout.envs import EnvSource, resolve_env_sources
@@ -133,6 +140,18 @@ class RunManager:
                 lost + "were handed over inside a trainer process that is gone; "
                 "no directory holds them"
             )
+        if newest.uri.startswith(BROADCAST_URI_PREFIX):
+            # Broadcast weights live only in the engines (and the trainer's checkpoint).
+            serving = (await runtime.engine.info()).weight_version
+            if serving != newest.version:
+                log.warning(
+                    "run %s: its engine serves weight version %d, not the newest broadcast "
+                    "one (%d); the trainer's next publish replaces them",
+                    run_id,
+                    serving,
+                    newest.version,
+                )
+            return
         if not Path(newest.uri).is_dir():
             raise WeightsNotFound(lost + f"are no longer at {newest.uri}")
         update = WeightUpdate(path=newest.uri, version=newest.version)
@@ -163,6 +182,23 @@ class RunManager:
         """Switch a live run's engine to new weights (see `RunExecutor.update_weights`)."""
         executor = await self.live(run_id)
         return await executor.update_weights(update)
+
+    async def weight_group_ranks(self, run_id: uuid.UUID) -> int:
+        """How many ranks the run's engine brings to a trainer's weight group."""
+        return await (await self._receiver(run_id)).weight_group_ranks()
+
+    async def join_weight_group(self, run_id: uuid.UUID, group: WeightGroup) -> None:
+        """Have the run's engine join a trainer's weight group (answers once it formed)."""
+        await (await self._receiver(run_id)).join_weight_group(group)
+
+    async def _receiver(self, run_id: uuid.UUID) -> BroadcastReceiver:
+        engine = (await self.live(run_id)).runtime.engine
+        if not isinstance(engine, BroadcastReceiver):
+            raise Conflict(
+                f"run {run_id}'s engine ({type(engine).__name__}) does not take broadcast "
+                "weights: publish with disk sync"
+            )
+        return engine
 
     def _agent(self, config: RunConfig) -> Agent:
         if config.agent.type == "whitebox":

@@ -16,7 +16,6 @@ PYTHON_AGENT = {"type": "python", "entry_point": "agentflow.agents.whitebox:Whit
 # at parse time, through the API (422) and the CLI (exit 1) alike.
 NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
     ({"trainer": {"backend": "megatron"}}, ("trainer", "backend")),
-    ({"weights": {"sync": "nccl"}}, ("weights", "sync")),
     ({"trainer": {"kl_coef": 0.01}}, ("trainer", "kl_coef")),
 ]
 
@@ -33,6 +32,12 @@ REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
         {"model": {"path": "/ckpt", "chat_history": "rerender"}},
         (),
         "for black-box agents",
+    ),
+    ({"weights": {"sync": "nccl"}}, ("weights",), "broadcasts to SGLang engines"),
+    (
+        {"weights": {"sync": "disk", "broadcast": {"backend": "gloo"}}},
+        ("weights",),
+        "is for sync = 'nccl'",
     ),
     ({"agent": {"reward": "agent"}}, ("agent", "reward"), "whitebox agent's reward"),
     ({"agent": {"reward": "external"}}, ("agent", "reward"), "whitebox agent's reward"),

@@ -156,6 +156,17 @@ def _assert_route_checks_its_body(url: str, run_id: str, directory: Path) -> Non
     ]:
         answer = httpx.post(weights, json=body)
         assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == loc
+    bucket = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}
+    broadcast = {"group_name": "g", "buckets": [bucket]}
+    for body in ({"version": 1}, {"version": 1, "path": str(directory), "broadcast": broadcast}):
+        answer = httpx.post(weights, json=body)
+        assert answer.status_code == 422 and "exactly one of path or broadcast" in answer.text
+    # A local engine takes no broadcast: the group routes say so.
+    refused = httpx.get(f"{weights}/group")
+    assert refused.status_code == 409 and "publish with disk sync" in refused.text
+    group = {"master_address": "127.0.0.1", "master_port": 1, "group_name": "g", "world_size": 2}
+    assert httpx.post(f"{weights}/group", json=group).status_code == 409
+    assert httpx.post(f"{weights}/group", json={**group, "world_size": 1}).status_code == 422
     unknown = f"{url}/v1/runs/00000000-0000-0000-0000-000000000000/weights"
     assert httpx.post(unknown, json={"version": 1, "path": str(directory)}).status_code == 404
 
