@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -418,12 +419,19 @@ def trainer_command(
         ),
     ] = 300.0,
 ) -> None:
-    """The split form: train a run that a gateway executes (disk weight sync)."""
+    """The split form: train a run that a gateway executes (disk or nccl weight sync).
+
+    With `trainer.ranks > 1` this command starts torchrun with that many copies of
+    itself (trainer/ranks.py)."""
     run_config = _run_config(config)
     import httpx
 
     from agentflow.client import RetryPolicy
+    from trainer import ranks
     from trainer.remote import train_remote
+
+    if run_config.trainer.ranks > 1 and not ranks.in_ranks():
+        raise typer.Exit(ranks.launch(run_config.trainer.ranks, sys.argv[1:]))
 
     retry = RetryPolicy(window_s=retry_window_s)
     try:
@@ -431,7 +439,8 @@ def trainer_command(
         summary = train_remote(run_config, gateway, run, api_key=api_key, retry=retry)
     except (AgentFlowError, ValueError, httpx.TransportError) as exc:
         raise _fail(exc) from None
-    _print(summary)
+    if "rank" not in summary:  # rank 0's, or the only process's
+        _print(summary)
 
 
 def main() -> None:

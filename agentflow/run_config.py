@@ -415,6 +415,13 @@ class TrainerConfig(_Section):
         default=16384, ge=64, description="tokens (padding included) per forward/backward"
     )
     device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
+    ranks: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="trainer processes (split form): > 1 shards the model with FSDP2 over "
+        "torchrun, one rank per GPU (gloo ranks on CPU); rank 0 leases for all",
+    )
     checkpoint_every: int = Field(
         default=10, ge=1, description="steps between checkpoints (batches are acknowledged then)"
     )

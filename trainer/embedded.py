@@ -65,6 +65,12 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
             "--gateway URL` with disk sync for SGLang",
             field=("engine", "type"),
         )
+    if config.trainer.ranks > 1:
+        raise InvalidInput(
+            "the embedded trainer is one process; several trainer ranks train a gateway's "
+            "run: `agentflow trainer CONFIG --gateway URL`",
+            field=("trainer", "ranks"),
+        )
     check_device(config.engine.device, ("engine", "device"))
     check_device(config.trainer.device, ("trainer", "device"))
     check_teachers(config)

@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -51,6 +51,8 @@ from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
 from agentflow.run_config import RunConfig, check_device
+from trainer import ranks
+from trainer.backends.torch_backend import TorchPolicy
 from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings
 from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
@@ -97,7 +99,26 @@ def train_remote(
         import torch
 
         torch.set_num_threads(config.trainer.threads)
-    return asyncio.run(_train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy()))
+    if not ranks.in_ranks():
+        return asyncio.run(
+            _train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy())
+        )
+    # One of `trainer.ranks` torchrun processes (trainer/ranks.py): rank 0 trains the run,
+    # the others follow its commands and never call the gateway.
+    import torch.distributed as dist
+
+    device = ranks.join(config.trainer.device, config.trainer.ranks)
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"device": device})}
+    )
+    try:
+        if dist.get_rank() != 0:
+            return {"rank": dist.get_rank(), "steps": ranks.follow(build_policy(config))}
+        return asyncio.run(
+            _train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy())
+        )
+    finally:
+        dist.destroy_process_group()
 
 
 def check_split_form(config: RunConfig) -> None:
@@ -392,7 +413,10 @@ async def _train(
             loggers=build_loggers(config.logger, directory, config.name, document),
         )
         stream = HttpTrajectoryStream(client, run_id)
-        policy = build_policy(config)
+        local = build_policy(config)
+        leader = ranks.LeaderPolicy(local) if ranks.in_ranks() else None
+        # The leader stands in for the local policy: the same calls, made on every rank.
+        policy = cast(TorchPolicy, leader) if leader is not None else local
         checkpoints = directory / "checkpoints"
         state, restored = await resume(policy, stream, checkpoints)
         weights_api = AsyncClient(
@@ -445,6 +469,8 @@ async def _train(
                 raise published.gave_up from None
             raise
         finally:
+            if leader is not None:
+                leader.stop()
             report.close()
             if isinstance(publisher, BroadcastPublisher):
                 publisher.close()

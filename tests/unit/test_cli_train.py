@@ -118,6 +118,14 @@ def test_refused_options_exit_1_naming_the_field(
             "warm_start.enabled",
         ),
         ({"weights": {"sync": "disk"}, "trainer": {"device": "cuda:99"}}, "trainer.device"),
+        (  # NCCL moves CUDA tensors; this trainer's are on the CPU
+            {
+                "model": {"path": "/ckpt"},
+                "engine": {"type": "sglang", "urls": ["http://127.0.0.1:9"]},
+                "weights": {"sync": "nccl"},
+            },
+            "weights.broadcast.backend",
+        ),
     ],
 )
 def test_the_split_trainer_refuses_what_its_form_cannot_do(
@@ -127,6 +135,14 @@ def test_the_split_trainer_refuses_what_its_form_cannot_do(
     result = CliRunner().invoke(app, COMMANDS["trainer"](str(config)))
     assert result.exit_code == 1, result.output
     assert result.output.startswith(f"error: {field}: "), result.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_refuses_several_trainer_ranks(tmp_path: Path) -> None:
+    config = _config(tmp_path, {"trainer": {"ranks": 2}})
+    result = CliRunner().invoke(app, ["train", str(config)])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: trainer.ranks: the embedded trainer is one process")
     assert not (tmp_path / "runs").exists()
 
 

@@ -256,10 +256,17 @@ class TorchPolicy:
         *,
         teacher: TeacherScores | None = None,
         distill: DistillLoss | None = None,
+        idle: bool = False,
     ) -> dict[str, float]:
         """One batch: `algorithm.minibatches` optimizer steps; returns the step's metrics.
         With `teacher` (its scores of these trajectories), the reverse-KL term of
-        `distill` joins the loss (`trainer.algorithms.distill_terms`)."""
+        `distill` joins the loss (`trainer.algorithms.distill_terms`).
+
+        `idle` (sharded only): this rank got no share of a batch smaller than the ranks;
+        it runs `trajectories` with no weight and adds no tokens, as FSDP's collectives
+        need every rank, and the optimizer steps with the other ranks' gradients."""
+        if idle and not self.sharded:
+            raise InvalidInput("only a sharded rank can be idle", field="idle")
         algorithm = algorithm or AlgorithmConfig()
         if (teacher is None) != (distill is None):
             raise InvalidInput("teacher scores and the distill loss go together", field="teacher")
@@ -317,7 +324,7 @@ class TorchPolicy:
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self._training():  # checkpointed layers recompute in training mode
             for part in minibatches:
-                total = float(sum(mb.num_policy_tokens for mb in part))
+                total = 0.0 if idle else float(sum(mb.num_policy_tokens for mb in part))
                 count = len(part)
                 if self.sharded:
                     total, count = _global_sum_and_max(total, count, self.device)
@@ -325,7 +332,8 @@ class TorchPolicy:
                 part_loss = 0.0
                 for k in range(count):
                     mb = part[min(k, len(part) - 1)]
-                    dummy = k >= len(part)  # FSDP: a short rank repeats one, with no weight
+                    # FSDP: a short rank repeats one, an idle rank runs its own, no weight.
+                    dummy = idle or k >= len(part)
                     if self.sharded:
                         self.model.set_requires_gradient_sync(k == count - 1)
                     full: list[torch.Tensor] | None = (
@@ -391,17 +399,17 @@ class TorchPolicy:
                 norms.append(norm)
 
         seconds = time.perf_counter() - started
-        policy_tokens = sums.pop("policy_tokens")
-        tokens = sum(mb.num_tokens for part in minibatches for mb in part)
-        out = {key: value / policy_tokens for key, value in sums.items()}
+        policy_tokens = sums.pop("policy_tokens", 0.0)
+        tokens = 0 if idle else sum(mb.num_tokens for part in minibatches for mb in part)
+        out = {key: value / policy_tokens for key, value in sums.items()} if policy_tokens else {}
         out.update(
             loss=sum(losses) / len(losses),
             grad_norm=sum(norms) / len(norms),
             max_is_weight=max_is_weight,
             tokens=float(tokens),
             policy_tokens=policy_tokens,
-            trajectories=float(len(trajectories)),
-            microbatches=float(sum(len(part) for part in minibatches)),
+            trajectories=0.0 if idle else float(len(trajectories)),
+            microbatches=0.0 if idle else float(sum(len(part) for part in minibatches)),
             optimizer_steps=float(len(minibatches) - skipped),
             skipped_steps=float(skipped),
             seconds=seconds,

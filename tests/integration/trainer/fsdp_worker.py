@@ -4,6 +4,8 @@ Every rank builds the same model and batch, trains one step on its own share of 
 batch (rank 0 a larger one, so the ranks run different numbers of micro-batches), and
 gathers the full state; rank 0 writes what the test compares into `OUT/result.pt`.
 Then the checkpoint path: all ranks save (rank 0 writes), train on, and load it back.
+Last, a step on a batch smaller than the ranks: rank 0 trains one trajectory, rank 1 is
+idle (`train_step(idle=True)`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def main(out: Path) -> None:
     moved = policy.state_dict()
     policy.load_checkpoint(checkpoint)
     restored = policy.state_dict()
+    # A batch smaller than the ranks: rank 0 trains one trajectory, rank 1 is idle.
+    alone = policy.train_step([trajs[rank]], [adv[rank]], idle=rank == 1)
+    idle_step: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(idle_step, alone)
+    after_idle = policy.state_dict()
     if rank == 0:
         torch.save(
             {
@@ -69,6 +76,8 @@ def main(out: Path) -> None:
                 "state": state,
                 "moved": any(not torch.equal(moved[k], state[k]) for k in state),
                 "restored": all(torch.equal(restored[k], state[k]) for k in state),
+                "idle_step": idle_step,
+                "after_idle": after_idle,
             },
             out / "result.pt",
         )

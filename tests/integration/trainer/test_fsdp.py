@@ -72,3 +72,15 @@ def test_two_ranks_train_as_one_process(tmp_path: Path) -> None:
     assert (step, version) == (1, 1)
     loaded = plain.state_dict()
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+    # The idle step: only rank 0's trajectory counts, as if one process trained it alone.
+    lone, idle = result["idle_step"]
+    assert idle["policy_tokens"] == 0 and idle["trajectories"] == 0 and idle["loss"] == 0
+    alone = plain.train_step([trajs[0]], [adv[0]])
+    assert lone["policy_tokens"] == alone["policy_tokens"]
+    assert lone["loss"] == pytest.approx(alone["loss"], rel=1e-4, abs=1e-6)
+    assert lone["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+    assert idle["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-4)
+    after = plain.state_dict()
+    near = sum(int(((result["after_idle"][k] - v).abs() <= 1e-6).sum()) for k, v in after.items())
+    assert near / sum(v.numel() for v in after.values()) > 0.999
