@@ -7,6 +7,8 @@ real local-spec model at tensor-parallel size `TP`, loads its share of the conve
 weights *strictly* (every name and shape must be the model's), and runs, on layer 0, the
 attention's own q/k/v split and the whole MLP on a fixed input. Rank 0 writes what the
 test compares against the HF model into `OUT/FAMILY.pt`, with every rank's state dict.
+Last, the loss: each rank holds its vocabulary slice of the same logits, and the Megatron
+backend's micro-batch loss (vocab-parallel log-probs) goes into `OUT/loss.pt`.
 
     torchrun --nproc_per_node=TP cpu_worker.py OUT TP FAMILY...
 """
@@ -30,7 +32,49 @@ def main(out: Path, tp: int, families: list[str]) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     for family in families:
         check(out, family, tp)
+    loss_check(out)
     dist.destroy_process_group()
+
+
+LOSS_VOCAB = 300
+TEMPERATURE = 0.7
+
+
+def loss_inputs() -> tuple[torch.Tensor, object]:
+    """Logits over the whole vocabulary and a micro-batch, the same in every process."""
+    import random
+
+    from tests.unit.trainer.test_batching import make_trajectory
+    from trainer.batching import BatchingConfig, build_microbatches
+
+    rng = random.Random(3)
+    trajectories = [make_trajectory(rng.randrange(8, 20), rng) for _ in range(4)]
+    advantages = [1.0, -0.5, 0.25, -1.0]
+    (mb,) = build_microbatches(trajectories, advantages, BatchingConfig(), vocab_size=LOSS_VOCAB)
+    generator = torch.Generator().manual_seed(5)
+    rows, width = mb.input_ids.shape
+    logits = torch.randn(rows, width, LOSS_VOCAB, generator=generator) * 3
+    return logits, mb
+
+
+def loss_check(out: Path) -> None:
+    """The Megatron loss on this rank's vocabulary slice of the logits: its value, its
+    metrics and the gradient of the whole logits (the ranks' slices gathered)."""
+    from trainer.algorithms import AlgorithmConfig
+    from trainer.backends.megatron.loss import microbatch_loss
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    logits, mb = loss_inputs()
+    width = LOSS_VOCAB // tp
+    mine = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
+    algorithm = AlgorithmConfig(temperature=TEMPERATURE)
+    loss, metrics, _ = microbatch_loss(mine, mb, algorithm, normalizer=50.0)
+    loss.backward()
+    grads = [torch.empty_like(mine) for _ in range(tp)]
+    dist.all_gather(grads, mine.grad.contiguous())
+    if rank == 0:
+        grad = torch.cat(grads, dim=-1)
+        torch.save({"loss": loss.detach(), "metrics": metrics, "grad": grad}, out / "loss.pt")
 
 
 def check(out: Path, family: str, tp: int) -> None:

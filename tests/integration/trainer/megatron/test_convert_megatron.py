@@ -1,9 +1,12 @@
-"""HF ⇄ Megatron weights against megatron-core's own modules, on CPU.
+"""HF ⇄ Megatron weights and the Megatron loss against megatron-core's own code, on CPU.
 
 Each family's tiny checkpoint is converted for tensor-parallel size 2, loaded strictly
 into the real local-spec GPTModel on two gloo ranks (`cpu_worker.py`), and layer 0's
 q/k/v and MLP output are compared with the HF model's on the same input; the ranks'
-state dicts then convert back to exactly the HF weights."""
+state dicts then convert back to exactly the HF weights. And the loss: the Megatron
+backend's, on two ranks' vocabulary slices of the same logits, equals the torch backend's
+(log-probs of the whole logits, then the same `policy_loss`) in value, metrics and
+gradient."""
 
 from __future__ import annotations
 
@@ -84,3 +87,29 @@ def test_megatron_modules_compute_what_hf_computes(ranks_output: Path, family: s
     assert set(back) == set(expected_state)
     for name, tensor in expected_state.items():
         assert torch.equal(back[name], tensor), name
+
+
+def test_the_megatron_loss_is_the_torch_backends(ranks_output: Path) -> None:
+    from agentflow.modeling import token_logprobs
+    from trainer.algorithms import AlgorithmConfig, policy_loss
+
+    got = torch.load(ranks_output / "loss.pt", weights_only=False)
+    logits, mb = cpu_worker.loss_inputs()
+    logits.requires_grad_(True)
+    # The torch backend's path (TorchPolicy._selected_logprobs, then policy_loss).
+    select = mb.loss_mask
+    logp = token_logprobs(logits[select], mb.targets[select], cpu_worker.TEMPERATURE)
+    loss, metrics = policy_loss(
+        logp,
+        logp.detach(),
+        mb.policy_values(mb.behaviour_logprobs),
+        mb.policy_values(mb.advantages),
+        mb.policy_values(mb.loss_weights),
+        AlgorithmConfig(temperature=cpu_worker.TEMPERATURE),
+        normalizer=50.0,
+    )
+    loss.backward()
+    torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    assert got["metrics"] == pytest.approx(metrics, rel=1e-5, abs=1e-6)
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    torch.testing.assert_close(got["grad"], logits.grad, rtol=1e-5, atol=1e-6)
