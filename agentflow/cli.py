@@ -421,16 +421,20 @@ def trainer_command(
 ) -> None:
     """The split form: train a run that a gateway executes (disk or nccl weight sync).
 
-    With `trainer.ranks > 1` this command starts torchrun with that many copies of
-    itself (trainer/ranks.py)."""
+    With `trainer.ranks > 1`, or the Megatron backend, this command starts torchrun
+    with `trainer.ranks` copies of itself (trainer/ranks.py)."""
     run_config = _run_config(config)
     import httpx
 
     from agentflow.client import RetryPolicy
     from trainer import ranks
-    from trainer.remote import train_remote
+    from trainer.remote import check_split_form, train_remote
 
-    if run_config.trainer.ranks > 1 and not ranks.in_ranks():
+    if ranks.needs_ranks(run_config) and not ranks.in_ranks():
+        try:  # refused here, once, rather than by every rank
+            check_split_form(run_config)
+        except AgentFlowError as exc:
+            raise _fail(exc) from None
         raise typer.Exit(ranks.launch(run_config.trainer.ranks, sys.argv[1:]))
 
     retry = RetryPolicy(window_s=retry_window_s)

@@ -42,7 +42,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 # The work that will make each refused option available (docs/runs.md has the table).
-MEGATRON = "the Megatron backend"
 REFERENCE_MODEL = "the reference model"
 
 
@@ -379,7 +378,9 @@ class LoraSettings(_Section):
 
 class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = Field(
-        default="torch", description="torch (CPU or CUDA); megatron is not available yet"
+        default="torch",
+        description="torch: an HF model on CPU or CUDA (FSDP2 with several ranks); megatron: "
+        "megatron-core on CUDA, split by [megatron] (the split trainer, under torchrun)",
     )
     algorithm: Literal["grpo", "ppo", "turn_grpo", "rtpo"] = Field(
         default="grpo",
@@ -438,13 +439,6 @@ class TrainerConfig(_Section):
     )
     lora: LoraSettings | None = Field(default=None, description="train adapters only (peft)")
 
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, value: str) -> str:
-        if value != "torch":
-            raise _not_available(repr(value), MEGATRON)
-        return value
-
     @field_validator("kl_coef")
     @classmethod
     def _kl_coef(cls, value: float) -> float:
@@ -456,6 +450,23 @@ class TrainerConfig(_Section):
     @classmethod
     def _device(cls, value: str) -> str:
         return _check_device(value)
+
+
+class MegatronConfig(_Section):
+    """`trainer.backend = "megatron"`: how the model is split over the trainer's ranks
+    (`trainer.ranks` = tensor × pipeline × data parallel)."""
+
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="ranks a layer spans")
+    pipeline_parallel: int = Field(default=1, ge=1, le=64, description="stages of layers")
+    sequence_parallel: bool = Field(
+        default=False, description="split activations along the sequence (tensor_parallel > 1)"
+    )
+    distributed_optimizer: bool = Field(
+        default=True, description="shard Adam's state over the data-parallel ranks"
+    )
+    vocab_divisible_by: int = Field(
+        default=128, ge=1, le=65536, description="pad the vocabulary to a multiple of this × tp"
+    )
 
 
 class WarmStartConfig(_Section):
@@ -642,6 +653,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     teachers: list[TeacherConfig] = Field(
         default_factory=list, description="on-policy distillation (docs/distillation.md)"
     )
@@ -684,6 +696,24 @@ class RunConfig(_Section):
                 "in process (inprocess) or from disk"
             )
         return value
+
+    @model_validator(mode="after")
+    def _megatron_split(self) -> RunConfig:
+        if self.trainer.backend != "megatron":
+            if self.megatron != MegatronConfig():
+                raise ValueError("[megatron] is for trainer.backend = 'megatron'")
+            return self
+        split = self.megatron.tensor_parallel * self.megatron.pipeline_parallel
+        if self.trainer.ranks % split:
+            raise ValueError(
+                f"trainer.ranks ({self.trainer.ranks}) must be a multiple of "
+                f"megatron.tensor_parallel × pipeline_parallel ({split})"
+            )
+        if self.trainer.lora is not None or self.trainer.minibatches != 1:
+            raise ValueError("the Megatron backend trains all weights, one step per batch")
+        if self.teachers:
+            raise ValueError("distillation is not available with the Megatron backend yet")
+        return self
 
     @model_validator(mode="after")
     def _rerender_is_black_box(self) -> RunConfig:

@@ -65,6 +65,15 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
             "--gateway URL` with disk sync for SGLang",
             field=("engine", "type"),
         )
+    if config.trainer.backend == "megatron":
+        from trainer.backends.megatron.policy import require_cuda
+
+        require_cuda()  # the first thing to say on a machine without
+        raise InvalidInput(
+            "the Megatron backend trains a gateway's run under torchrun: "
+            "`agentflow trainer CONFIG --gateway URL`",
+            field=("trainer", "backend"),
+        )
     if config.trainer.ranks > 1:
         raise InvalidInput(
             "the embedded trainer is one process; several trainer ranks train a gateway's "

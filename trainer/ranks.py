@@ -36,6 +36,7 @@ from agentflow.types import Trajectory
 from trainer.batching import Advantage
 
 if TYPE_CHECKING:
+    from agentflow.run_config import RunConfig
     from trainer.backends.torch_backend import TorchPolicy
 
 # Rank 0 may wait long for rollouts between two commands; a shorter timeout would end the
@@ -49,8 +50,14 @@ _SHARED = {"grad_norm", "lr", "optimizer_steps", "skipped_steps"}
 
 
 def in_ranks() -> bool:
-    """Whether this process is one of several torchrun ranks."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process is a torchrun rank (`launch` started it)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def needs_ranks(config: RunConfig) -> bool:
+    """Whether `agentflow trainer` runs this config under torchrun: several ranks, or the
+    Megatron backend (which needs a process group even alone)."""
+    return config.trainer.ranks > 1 or config.trainer.backend == "megatron"
 
 
 ARGV_ENV = "AGENTFLOW_RANK_ARGV"
@@ -157,7 +164,8 @@ def _share_of(
 
 
 def _run(policy: TorchPolicy, command: str, payload: Any, rank: int) -> Any:
-    """One command, as every rank runs it (rank 0 through `LeaderPolicy`)."""
+    """One command, as every rank runs it (rank 0 through `LeaderPolicy`); `rank` is
+    the data-parallel rank, whose share of a batch this rank trains."""
     if command == "train_step":
         trajectories, advantages, kwargs, idle = _share_of(payload, rank)
         return policy.train_step(trajectories, advantages, idle=idle, **kwargs)
@@ -190,16 +198,15 @@ def _gathered(value: Any) -> list[Any] | None:
 
 def follow(policy: TorchPolicy) -> int:
     """A rank other than 0: run rank 0's commands until it stops; the steps trained."""
-    import torch.distributed as dist
 
-    rank, steps = dist.get_rank(), 0
+    steps = 0
     while True:
         command, payload = _exchange()
         if command == "stop":
             return steps
-        result = _run(policy, command, payload, rank)
+        result = _run(policy, command, payload, policy.data_rank)
         if command == "train_step":
-            _gathered(result)
+            _gathered((policy.data_rank, result))
             steps += 1
 
 
@@ -208,17 +215,16 @@ class LeaderPolicy:
     attribute is the local `TorchPolicy`'s."""
 
     def __init__(self, policy: TorchPolicy) -> None:
-        import torch.distributed as dist
 
         self.local = policy
-        self.world = dist.get_world_size()
+        self.world = policy.data_ranks
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
 
     def _all(self, command: str, payload: Any) -> Any:
         _exchange((command, payload))
-        return _run(self.local, command, payload, 0)
+        return _run(self.local, command, payload, self.local.data_rank)
 
     def train_step(
         self,
@@ -234,9 +240,11 @@ class LeaderPolicy:
             "kwargs": {"algorithm": algorithm, **kwargs},
         }
         mine = self._all("train_step", payload)
-        per_rank = _gathered(mine)
+        per_rank = _gathered((self.local.data_rank, mine))
         assert per_rank is not None
-        return combine(per_rank)
+        # Ranks of one data-parallel replica (tensor, pipeline) report its share alike.
+        replicas = dict(per_rank)
+        return combine([replicas[r] for r in sorted(replicas)])
 
     def state_dict(self) -> Any:
         return self._all("state_dict", None)

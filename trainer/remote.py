@@ -100,6 +100,12 @@ def train_remote(
 
         torch.set_num_threads(config.trainer.threads)
     if not ranks.in_ranks():
+        if ranks.needs_ranks(config):
+            raise InvalidInput(
+                "this config trains under torchrun (trainer.ranks > 1, or the Megatron "
+                "backend): run it with `agentflow trainer`, which starts torchrun",
+                field=("trainer", "ranks"),
+            )
         return asyncio.run(
             _train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy())
         )
@@ -146,6 +152,10 @@ def check_split_form(config: RunConfig) -> None:
             field=("warm_start", "enabled"),
         )
     check_device(config.trainer.device, ("trainer", "device"))
+    if config.trainer.backend == "megatron":
+        from trainer.backends.megatron.policy import require_cuda
+
+        require_cuda()
     check_teachers(config)
 
 

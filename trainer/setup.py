@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any, cast
 
 from agentflow.run_config import RunConfig, check_device
 from trainer.algorithms import AlgorithmConfig, DistillLoss
@@ -13,10 +14,15 @@ from trainer.loop import LoopSettings
 
 
 def build_policy(config: RunConfig) -> TorchPolicy:
-    """The model RL starts from (`model.path`, or built from `model.init`) with AdamW."""
+    """The model RL starts from (`model.path`, or built from `model.init`) with AdamW, on
+    the configured backend (a `MegatronPolicy` answers the same calls)."""
     from agentflow.modeling import build_model, load_model
 
     check_device(config.trainer.device, ("trainer", "device"))
+    if config.trainer.backend == "megatron":
+        from trainer.backends.megatron.policy import require_cuda
+
+        require_cuda()
 
     model = (
         load_model(config.model.path)
@@ -24,6 +30,8 @@ def build_policy(config: RunConfig) -> TorchPolicy:
         else build_model(config.model.init, seed=config.seed)
     )
     trainer = config.trainer
+    if trainer.backend == "megatron":
+        return _megatron_policy(config, model)
     return TorchPolicy(
         model,
         TorchBackendConfig(
@@ -36,6 +44,29 @@ def build_policy(config: RunConfig) -> TorchPolicy:
             lora=trainer.lora,
         ),
     )
+
+
+def _megatron_policy(config: RunConfig, model: Any) -> TorchPolicy:
+    from trainer.backends.megatron.policy import MegatronBackendConfig, MegatronPolicy
+
+    trainer, megatron = config.trainer, config.megatron
+    policy = MegatronPolicy(
+        model,
+        MegatronBackendConfig(
+            tensor_parallel=megatron.tensor_parallel,
+            pipeline_parallel=megatron.pipeline_parallel,
+            sequence_parallel=megatron.sequence_parallel,
+            distributed_optimizer=megatron.distributed_optimizer,
+            vocab_divisible_by=megatron.vocab_divisible_by,
+            precision=trainer.precision,
+            lr=trainer.lr,
+            max_grad_norm=trainer.max_grad_norm,
+            batching=BatchingConfig(max_tokens_per_microbatch=trainer.max_tokens_per_microbatch),
+            seed=config.seed,
+        ),
+    )
+    # It answers every call the loop makes of a TorchPolicy (trainer/ranks.py too).
+    return cast(TorchPolicy, policy)
 
 
 def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:

@@ -138,6 +138,18 @@ def test_the_split_trainer_refuses_what_its_form_cannot_do(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "trainer"])
+def test_the_megatron_backend_is_refused_without_cuda(tmp_path: Path, command: str) -> None:
+    config = _config(tmp_path, {"trainer": {"backend": "megatron"}, "weights": {"sync": "disk"}})
+    result = CliRunner().invoke(app, COMMANDS[command](str(config)))
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(
+        "error: trainer.backend: the Megatron backend needs CUDA"
+    ), result.output
+    assert "use backend = 'torch'" in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 def test_train_refuses_several_trainer_ranks(tmp_path: Path) -> None:
     config = _config(tmp_path, {"trainer": {"ranks": 2}})
     result = CliRunner().invoke(app, ["train", str(config)])

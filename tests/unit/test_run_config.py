@@ -15,7 +15,6 @@ PYTHON_AGENT = {"type": "python", "entry_point": "agentflow.agents.whitebox:Whit
 # Planned options the schema names but nothing builds yet: (patch, loc). Each is refused
 # at parse time, through the API (422) and the CLI (exit 1) alike.
 NOT_AVAILABLE: list[tuple[dict[str, Any], tuple[str | int, ...]]] = [
-    ({"trainer": {"backend": "megatron"}}, ("trainer", "backend")),
     ({"trainer": {"kl_coef": 0.01}}, ("trainer", "kl_coef")),
 ]
 
@@ -34,6 +33,17 @@ REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
         "for black-box agents",
     ),
     ({"weights": {"sync": "nccl"}}, ("weights",), "broadcasts to SGLang engines"),
+    ({"megatron": {"tensor_parallel": 2}}, (), "[megatron] is for trainer.backend"),
+    (
+        {"trainer": {"backend": "megatron", "ranks": 3}, "megatron": {"tensor_parallel": 2}},
+        (),
+        "must be a multiple of megatron.tensor_parallel",
+    ),
+    (
+        {"trainer": {"backend": "megatron", "minibatches": 2}},
+        (),
+        "one step per batch",
+    ),
     (
         {"weights": {"sync": "disk", "broadcast": {"backend": "gloo"}}},
         ("weights",),

@@ -141,6 +141,9 @@ class TorchPolicy:
         if self.reference is not None:
             self.reference.requires_grad_(False)
         self.sharded = _distributed()
+        # Which share of a batch this rank trains (trainer/ranks.py): every FSDP rank its own.
+        self.data_rank = torch.distributed.get_rank() if self.sharded else 0
+        self.data_ranks = torch.distributed.get_world_size() if self.sharded else 1
         if self.config.gradient_checkpointing:
             self._checkpoint_layers()
         if self.sharded:
