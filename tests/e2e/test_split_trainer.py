@@ -80,17 +80,7 @@ def test_a_trainer_process_trains_a_gateway_run(sqlite_database: str, tmp_path: 
         created = httpx.post(f"{url}/v1/runs", json=config, timeout=60)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]
-        trainer = subprocess.run(
-            [
-                sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
-                "--gateway", url, "--run", run_id,
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )  # fmt: skip
-        assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
+        run_trainer(config_file, url, run_id)
         run = httpx.get(f"{url}/v1/runs/{run_id}").json()
         assert run["weight_version"] == STEPS  # one published version per step
         played = _episode_on(url, run_id, STEPS)
@@ -117,6 +107,22 @@ def test_a_trainer_process_trains_a_gateway_run(sqlite_database: str, tmp_path: 
         before = score(initial, tokens, start=len(context))
         gaps.append(max(abs(a - b) for a, b in zip(before, turn["logprobs"], strict=True)))
     assert max(gaps) > 1e-3  # the check tells the trained weights from the initial ones
+
+
+def run_trainer(config_file: Path, url: str, run_id: str) -> subprocess.CompletedProcess[str]:
+    """`agentflow trainer CONFIG --gateway URL --run ID`, run to its end; it must succeed."""
+    trainer = subprocess.run(
+        [
+            sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
+            "--gateway", url, "--run", run_id,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
+    return trainer
 
 
 def trajectory_statuses(sqlite_url: str, run_id: str) -> dict[str, int]:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from agentflow.modeling import ModelInit, build_model, load_model, save_model, score
-from tests.e2e.test_split_trainer import _episode_on, trajectory_statuses
+from tests.e2e.test_split_trainer import _episode_on, run_trainer, trajectory_statuses
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
 from tests.integration.trainer.test_weight_sync import _policy_turns, _wait_healthy
@@ -114,17 +114,7 @@ def test_a_trainer_broadcasts_each_version_to_a_runs_sglang_engine(
             assert created.status_code == 201, created.text
             run_id = created.json()["id"]
             asyncio.run(_refused_group(url, run_id, model_dir))
-            trainer = subprocess.run(
-                [
-                    sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
-                    "--gateway", url, "--run", run_id,
-                ],
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )  # fmt: skip
-            assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
+            run_trainer(config_file, url, run_id)
             assert httpx.get(f"{url}/v1/runs/{run_id}").json()["weight_version"] == STEPS
             versions = httpx.get(f"{url}/v1/runs/{run_id}/metrics").json()["versions"]
             played = _episode_on(url, run_id, STEPS)

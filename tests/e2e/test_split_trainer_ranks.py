@@ -6,16 +6,13 @@ between the ranks, whose metrics add up to the batch's."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.test_split_trainer import _config, trajectory_statuses
+from tests.e2e.test_split_trainer import _config, run_trainer, trajectory_statuses
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
 
@@ -42,17 +39,7 @@ def test_two_ranks_train_each_trajectory_once(sqlite_database: str, tmp_path: Pa
         created = httpx.post(f"{url}/v1/runs", json=config, timeout=60)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]
-        trainer = subprocess.run(
-            [
-                sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
-                "--gateway", url, "--run", run_id,
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )  # fmt: skip
-        assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
+        trainer = run_trainer(config_file, url, run_id)
         assert httpx.get(f"{url}/v1/runs/{run_id}").json()["weight_version"] == STEPS
         httpx.post(f"{url}/v1/runs/{run_id}/stop", timeout=30)
 

@@ -143,9 +143,9 @@ def test_the_megatron_backend_is_refused_without_cuda(tmp_path: Path, command: s
     config = _config(tmp_path, {"trainer": {"backend": "megatron"}, "weights": {"sync": "disk"}})
     result = CliRunner().invoke(app, COMMANDS[command](str(config)))
     assert result.exit_code == 1, result.output
-    assert result.output.startswith(
-        "error: trainer.backend: the Megatron backend needs CUDA"
-    ), result.output
+    assert result.output.startswith("error: trainer.backend: the Megatron backend needs CUDA"), (
+        result.output
+    )
     assert "use backend = 'torch'" in result.output
     assert not (tmp_path / "runs").exists()
 

@@ -526,12 +526,7 @@ class TorchPolicy:
     def load_checkpoint(self, directory: str | Path) -> tuple[int, int, dict[str, Any]]:
         """Restore weights and optimizer state from `directory`; (step, version, extra)."""
         path = Path(directory)
-        state_file = path / STATE_FILE
-        if not state_file.is_file():
-            raise NotFound(f"no trainer checkpoint at {path} ({STATE_FILE} missing)")
-        state = json.loads(state_file.read_text())
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise InvalidInput(f"unknown checkpoint format {state.get('format')!r}", field="format")
+        state = read_checkpoint_state(path, "torch")
         optim = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         if self.config.lora is not None:
             _load_adapters(self.model, path / ADAPTER_FILE)
@@ -619,6 +614,24 @@ def _load_adapters(model: Any, path: Path) -> None:
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise InvalidInput(f"the checkpoint's adapters do not fit: {unexpected[:3]}", field="lora")
+
+
+def read_checkpoint_state(path: Path, backend: str) -> dict[str, Any]:
+    """A checkpoint's state file, refused unless `backend` wrote it in this format (a
+    checkpoint without a `backend` is the torch backend's)."""
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise NotFound(f"no trainer checkpoint at {path} ({STATE_FILE} missing)")
+    state: dict[str, Any] = json.loads(state_file.read_text())
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise InvalidInput(f"unknown checkpoint format {state.get('format')!r}", field="format")
+    written_by = state.get("backend", "torch")
+    if written_by != backend:
+        raise InvalidInput(
+            f"{path} was written by the {written_by} backend, not the {backend} one",
+            field="backend",
+        )
+    return state
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:

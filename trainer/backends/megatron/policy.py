@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflow.errors import InvalidInput, NotFound
+from agentflow.errors import InvalidInput
 from agentflow.modeling import MODEL_INIT_FILE, load_model, save_tokenizer_files
 from agentflow.types import Trajectory
 from trainer.algorithms import AlgorithmConfig
@@ -51,7 +51,12 @@ from trainer.backends.megatron.convert import (
     to_megatron,
 )
 from trainer.backends.megatron.loss import megatron_scale, microbatch_loss
-from trainer.backends.torch_backend import CHECKPOINT_FORMAT, MODEL_DIR, STATE_FILE
+from trainer.backends.torch_backend import (
+    CHECKPOINT_FORMAT,
+    MODEL_DIR,
+    STATE_FILE,
+    read_checkpoint_state,
+)
 from trainer.batching import Advantage, BatchingConfig, MicroBatch, build_microbatches
 
 if TYPE_CHECKING:
@@ -456,12 +461,7 @@ class MegatronPolicy:
         import torch
 
         path = Path(directory)
-        state_file = path / STATE_FILE
-        if not state_file.is_file():
-            raise NotFound(f"no trainer checkpoint at {path} ({STATE_FILE} missing)")
-        state = json.loads(state_file.read_text())
-        if state.get("format") != CHECKPOINT_FORMAT or state.get("backend") != "megatron":
-            raise InvalidInput(f"{path} is not a Megatron backend checkpoint", field="format")
+        state = read_checkpoint_state(path, "megatron")
         self._load_hf(load_model(path / MODEL_DIR).state_dict(), self.module)
         optimizer_file = path / OPTIMIZER_FILE.format(tp=self.tp_rank, pp=self.pp_rank)
         self.optimizer.load_state_dict(
