@@ -7,8 +7,9 @@ many ranks it brings (`weight_group_ranks`), the group is the trainer (rank 0) a
 them, and the targets join (`join_weight_group`, SGLang's `/init_weights_update_group`)
 while this process joins as rank 0; the group forms when all have. Then every version:
 
-1. the tensors go into buckets of at most `bucket_bytes` (state-dict order; a tied output
-   layer is sent once, as the embedding);
+1. the tensors go into buckets of at most `bucket_bytes` (state-dict order), less the
+   names in `skip` (a tied output layer: `tied_names`; engines take it as the embedding)
+   and less aliases of a tensor already sent;
 2. each target is told the version and the buckets' names, dtypes and shapes
    (`WeightUpdate.broadcast`); behind a gateway the run's engines are paused under the
    run's partial-rollout policy first, and resumed and the version recorded after
@@ -28,7 +29,7 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,6 +76,12 @@ class BroadcastTarget(Protocol):
 _groups = itertools.count(1)
 
 
+def tied_names(model_config: Any) -> tuple[str, ...]:
+    """What a model with tied embeddings need not send: its output layer is the embedding
+    (a gathered FSDP state dict holds it as a tensor of its own, not an alias)."""
+    return ("lm_head.weight",) if getattr(model_config, "tie_word_embeddings", False) else ()
+
+
 def broadcast_settings(config: RunConfig) -> BroadcastSettings:
     """The run config's `[weights.broadcast]`, broadcasting from the trainer's device."""
     chosen = config.weights.broadcast
@@ -97,9 +104,11 @@ class BroadcastPublisher:
         settings: BroadcastSettings | None = None,
         *,
         initial_version: int = 0,
+        skip: Collection[str] = (),
     ) -> None:
         self.targets = list(targets)
         self.settings = settings or BroadcastSettings()
+        self.skip = frozenset(skip)
         self._version = initial_version
         self._group: Any = None
         self._group_name = ""
@@ -112,7 +121,8 @@ class BroadcastPublisher:
         started = time.perf_counter()
         if self._group is None:
             await self._form_group()
-        tensors = unique_tensors(state_dict, copy=False, drop_aliases=True)
+        kept = {n: t for n, t in state_dict.items() if n not in self.skip}
+        tensors = unique_tensors(kept, copy=False, drop_aliases=True)
         names = broadcast.plan_buckets(tensors, self.settings.bucket_bytes)
         update = WeightUpdate(
             version=version,

@@ -53,7 +53,7 @@ from agentflow.rollout.stream import HttpTrajectoryStream
 from agentflow.run_config import RunConfig, check_device
 from trainer import ranks
 from trainer.backends.torch_backend import TorchPolicy
-from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings
+from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings, tied_names
 from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
@@ -437,7 +437,9 @@ async def _train(
         publisher: Publisher
         if config.weights.sync == "nccl":
             # Not repeatable: a broadcast the engines missed cannot be asked for again.
-            publisher = BroadcastPublisher([target], broadcast_settings(config))
+            publisher = BroadcastPublisher(
+                [target], broadcast_settings(config), skip=tied_names(policy.model.config)
+            )
         else:
             weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
             publisher = WeightPublisher(

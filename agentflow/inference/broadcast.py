@@ -7,7 +7,7 @@ that group the same way, apart from any group the processes already have (the tr
 own ranks, a worker's tensor-parallel ranks): a TCP store at `master_address:master_port`
 served by rank 0, namespaced by the group's name, and a process group on it with the
 group's backend (`nccl` between GPUs; `gloo` moves CPU tensors, which is how this is
-tested without one).
+tested without one). SGLang's side reaches the same store through torch's `rendezvous`.
 
 torch has no public call for a process group outside the default world; this uses the
 same internal one (`_new_process_group_helper`) that SGLang's receiving side uses, so the
@@ -32,15 +32,24 @@ if TYPE_CHECKING:
 def open_group(group: WeightGroup, rank: int) -> Any:
     """Join `group` as `rank` (0: the trainer, which serves the store); blocks until all
     `group.world_size` ranks have joined, or `group.timeout_s` passes."""
+    from torch.distributed import TCPStore
     from torch.distributed import distributed_c10d as c10d
 
     if not 0 <= rank < group.world_size:
         raise InvalidInput(f"rank {rank} is outside a group of {group.world_size}", field="rank")
     timeout = timedelta(seconds=group.timeout_s)
-    url = f"tcp://{group.master_address}:{group.master_port}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, group.world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group.group_name, store)
+    # The store itself, not `rendezvous("tcp://...")`: under torchrun (several trainer
+    # ranks) rendezvous connects to torchrun's agent store instead of serving one.
+    served = TCPStore(
+        group.master_address,
+        group.master_port,
+        group.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    world_size = group.world_size
+    store = c10d.PrefixStore(group.group_name, served)
     # torch renamed the options argument; either way none are given.
     options = (
         "backend_options"

@@ -1,7 +1,8 @@
-"""The split form with `nccl` sync: `agentflow serve` runs a white-box run on an SGLang
-engine (the mock worker, its own process), and `agentflow trainer` broadcasts each version
-to it over a process group the worker joins through the gateway (gloo on CPU: the calls
-NCCL takes between GPUs).
+"""The split form with `nccl` sync and two trainer ranks: `agentflow serve` runs a
+white-box run on an SGLang engine (the mock worker, its own process), and `agentflow
+trainer` (`trainer.ranks = 2`: two torchrun ranks training with FSDP2, gloo on CPU)
+broadcasts each version to it over a process group the worker joins through the gateway
+(gloo on CPU: the calls NCCL takes between GPUs).
 
 Checked, first, that a group the worker cannot join (NCCL without a GPU) fails the
 publish with the worker's reason, through the gateway, without hanging the trainer. Then
@@ -10,7 +11,10 @@ one `/update_weights_from_distributed` per bucket (every weight once, in order, 
 output layer as the embedding, the cache flushed with the last), and continue; the
 gateway records each version as a broadcast; every trained batch is acknowledged once;
 and the worker serves the trained weights (an episode played on the last version scores
-as the trainer's final checkpoint).
+as the trainer's final checkpoint). Of the ranks: only rank 0 leases, so every trajectory
+the gateway handed out is trained once, on one rank, and acknowledged once (had each rank
+leased its own batches, twice as many would be consumed as the steps' batches hold);
+each step's metrics are both ranks' combined; one summary is printed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def _config(tmp_path: Path, env_id: str, worker_url: str, model_dir: Path) -> di
             "batch_episodes": 8,
             "steps": STEPS,
             "checkpoint_every": 1,
+            "ranks": 2,
             "run_dir": str(tmp_path / "runs"),
         },
         "weights": {
@@ -114,7 +119,7 @@ def test_a_trainer_broadcasts_each_version_to_a_runs_sglang_engine(
             assert created.status_code == 201, created.text
             run_id = created.json()["id"]
             asyncio.run(_refused_group(url, run_id, model_dir))
-            run_trainer(config_file, url, run_id)
+            trainer = run_trainer(config_file, url, run_id)
             assert httpx.get(f"{url}/v1/runs/{run_id}").json()["weight_version"] == STEPS
             versions = httpx.get(f"{url}/v1/runs/{run_id}/metrics").json()["versions"]
             played = _episode_on(url, run_id, STEPS)
@@ -155,6 +160,10 @@ def test_a_trainer_broadcasts_each_version_to_a_runs_sglang_engine(
 
     run_dir = tmp_path / "runs" / "split-broadcast"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert trainer.stdout.count('"run_id"') == 1  # rank 0's summary; rank 1 prints none
+    for row in rows:
+        assert row["ranks"] == 2
+        assert row["trajectories"] >= config["trainer"]["batch_episodes"]
     statuses = trajectory_statuses(sqlite_database, run_id)
     assert "leased" not in statuses
     assert statuses.get("consumed", 0) == sum(int(r["trajectories"]) for r in rows)
