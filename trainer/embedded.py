@@ -32,7 +32,7 @@ from agentflow.rollout.manager import RunManager
 from agentflow.run_config import RunConfig, check_device
 from agentflow.ui.app import DashboardServer, create_dashboard_app
 from envs import registry
-from trainer.backends.torch_backend import TorchPolicy
+from trainer.backends.base import Policy
 from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
 from trainer.report import RunReport
@@ -290,7 +290,7 @@ class _RunTarget:
 
 
 def _publisher(
-    config: RunConfig, directory: Path, target: _RunTarget, policy: TorchPolicy
+    config: RunConfig, directory: Path, target: _RunTarget, policy: Policy
 ) -> WeightPublisher:
     sync = config.weights.sync
     assert sync != "nccl", "refused when the config is parsed"

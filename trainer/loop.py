@@ -27,7 +27,8 @@ from agentflow.errors import AgentFlowError
 from agentflow.rollout.stream import TrajectoryStream
 from agentflow.types import Trajectory
 from trainer.algorithms import AlgorithmConfig, DistillLoss, group_advantages
-from trainer.backends.torch_backend import TorchPolicy, checkpoint_dir, latest_checkpoint
+from trainer.backends.base import Policy
+from trainer.backends.torch_backend import checkpoint_dir, latest_checkpoint
 from trainer.batching import Advantage, split_valid
 from trainer.credit import by_depth_deepest_first, reverse_tree, turn_level_advantages
 from trainer.teachers import TeacherError, TeacherManager
@@ -73,7 +74,7 @@ StepHook = Callable[[int, dict[str, float], Sequence[Trajectory]], Awaitable[Non
 
 
 async def train(
-    policy: TorchPolicy,
+    policy: Policy,
     stream: TrajectoryStream,
     publisher: Publisher,
     settings: LoopSettings,
@@ -176,7 +177,7 @@ async def lease_batch(
 
 
 async def reject_invalid(
-    stream: TrajectoryStream, batch: Sequence[Trajectory], policy: TorchPolicy, max_tokens: int
+    stream: TrajectoryStream, batch: Sequence[Trajectory], policy: Policy, max_tokens: int
 ) -> list[Trajectory]:
     """Trajectories the trainer cannot use are rejected with the reason, not dropped."""
     valid, rejected = split_valid(batch, max_tokens=max_tokens, vocab_size=policy.vocab_size)
@@ -186,7 +187,7 @@ async def reject_invalid(
 
 
 async def checkpoint_and_ack(
-    policy: TorchPolicy, stream: TrajectoryStream, settings: LoopSettings, state: LoopState
+    policy: Policy, stream: TrajectoryStream, settings: LoopSettings, state: LoopState
 ) -> None:
     extra = {"unacked": state.unacked}
     directory = checkpoint_dir(settings.checkpoint_root, state.step)
@@ -206,7 +207,7 @@ async def ack_all(stream: TrajectoryStream, unacked: Sequence[Sequence[str]]) ->
 
 
 async def resume(
-    policy: TorchPolicy, stream: TrajectoryStream, root: Path
+    policy: Policy, stream: TrajectoryStream, root: Path
 ) -> tuple[LoopState, Path | None]:
     """Restore the newest checkpoint under `root` and settle what it covered."""
     await stream.reclaim()
@@ -250,7 +251,7 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
 
 
 def rtpo_step(
-    policy: TorchPolicy,
+    policy: Policy,
     batch: Sequence[Trajectory],
     algorithm: AlgorithmConfig,
     normalize_std: bool,

@@ -3,20 +3,21 @@
     agentflow trainer CONFIG --gateway URL      # with trainer.ranks = N
 
 `agentflow trainer` starts torchrun with N copies of itself (`launch`); inside, every rank
-builds the same policy, sharded with FSDP2 (`TorchPolicy`). Only rank 0 talks to the
-gateway: it leases, computes advantages (they need whole groups), scores with teachers,
-publishes, checkpoints and acknowledges, running the ordinary train loop on a
-`LeaderPolicy`. Each call of that policy that the ranks must make together (a train step,
-a state dict, a checkpoint save or load) is sent to the other ranks (`follow`) as a
+builds the same policy (an FSDP2-sharded `TorchPolicy`, or a `MegatronPolicy`). Only rank
+0 talks to the gateway: it leases, computes advantages (they need whole groups), scores
+with teachers, publishes, checkpoints and acknowledges, running the ordinary train loop
+on a `LeaderPolicy`. Each call of that policy that the ranks must make together (a train
+step, a state dict, a checkpoint save or load) is sent to the other ranks (`follow`) as a
 command, so they run the same collectives in the same order, and nothing else reaches
-them: no rank but 0 leases, so each trajectory is trained once, on one rank.
+them: no rank but 0 leases, so each trajectory is trained once, on one data-parallel rank.
 
-A step's batch is split by tokens (`shares`: longest first, each to the rank with the
-fewest tokens so far). Each rank's loss is already divided by the whole batch's
-policy-token count, so the ranks' gradients add up to the batch's (`TorchPolicy`), and
-the ranks' metrics are combined into the batch's (`combine`). A batch with fewer
-trajectories than ranks leaves some ranks idle: they run one trajectory with no weight,
-as FSDP's collectives need every rank.
+A step's batch is split between the data-parallel ranks by tokens (`shares`: longest
+first, each to the rank with the fewest tokens so far; the tensor- and pipeline-parallel
+ranks of one Megatron replica share its part). Each rank's loss is already divided by the
+whole batch's policy-token count, so the ranks' gradients add up to the batch's, and the
+ranks' metrics are combined into the batch's (`combine`). A batch with fewer trajectories
+than ranks leaves some ranks idle: they run one trajectory with no weight, as the
+collectives need every rank.
 
 A rank that fails ends the job: torchrun stops the others.
 """
@@ -37,7 +38,7 @@ from trainer.batching import Advantage
 
 if TYPE_CHECKING:
     from agentflow.run_config import RunConfig
-    from trainer.backends.torch_backend import TorchPolicy
+    from trainer.backends.base import Policy
 
 # Rank 0 may wait long for rollouts between two commands; a shorter timeout would end the
 # job while the other ranks wait for the next one.
@@ -163,7 +164,7 @@ def _share_of(
     return [trajectories[i] for i in mine], [advantages[i] for i in mine], kwargs, False
 
 
-def _run(policy: TorchPolicy, command: str, payload: Any, rank: int) -> Any:
+def _run(policy: Policy, command: str, payload: Any, rank: int) -> Any:
     """One command, as every rank runs it (rank 0 through `LeaderPolicy`); `rank` is
     the data-parallel rank, whose share of a batch this rank trains."""
     if command == "train_step":
@@ -196,7 +197,7 @@ def _gathered(value: Any) -> list[Any] | None:
     return out
 
 
-def follow(policy: TorchPolicy) -> int:
+def follow(policy: Policy) -> int:
     """A rank other than 0: run rank 0's commands until it stops; the steps trained."""
 
     steps = 0
@@ -212,9 +213,9 @@ def follow(policy: TorchPolicy) -> int:
 
 class LeaderPolicy:
     """Rank 0's policy: each collective call is sent to the other ranks first; any other
-    attribute is the local `TorchPolicy`'s."""
+    attribute is the local policy's."""
 
-    def __init__(self, policy: TorchPolicy) -> None:
+    def __init__(self, policy: Policy) -> None:
 
         self.local = policy
         self.world = policy.data_ranks

@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 
@@ -52,7 +52,7 @@ from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
 from agentflow.run_config import RunConfig, check_device
 from trainer import ranks
-from trainer.backends.torch_backend import TorchPolicy
+from trainer.backends.base import Policy
 from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings, tied_names
 from trainer.loggers import build_loggers
 from trainer.loop import resume, summarize_batch, train
@@ -425,8 +425,8 @@ async def _train(
         stream = HttpTrajectoryStream(client, run_id)
         local = build_policy(config)
         leader = ranks.LeaderPolicy(local) if ranks.in_ranks() else None
-        # The leader stands in for the local policy: the same calls, made on every rank.
-        policy = cast(TorchPolicy, leader) if leader is not None else local
+        # The leader answers the local policy's calls, making them on every rank.
+        policy: Policy = leader if leader is not None else local
         checkpoints = directory / "checkpoints"
         state, restored = await resume(policy, stream, checkpoints)
         weights_api = AsyncClient(

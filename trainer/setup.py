@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from agentflow.run_config import RunConfig, check_device
 from trainer.algorithms import AlgorithmConfig, DistillLoss
+from trainer.backends.base import Policy
 from trainer.backends.torch_backend import TorchBackendConfig, TorchPolicy
 from trainer.batching import BatchingConfig
 from trainer.loop import LoopSettings
 
 
-def build_policy(config: RunConfig) -> TorchPolicy:
+def build_policy(config: RunConfig) -> Policy:
     """The model RL starts from (`model.path`, or built from `model.init`) with AdamW, on
     the configured backend (a `MegatronPolicy` answers the same calls)."""
     from agentflow.modeling import build_model, load_model
@@ -46,11 +47,11 @@ def build_policy(config: RunConfig) -> TorchPolicy:
     )
 
 
-def _megatron_policy(config: RunConfig, model: Any) -> TorchPolicy:
+def _megatron_policy(config: RunConfig, model: Any) -> Policy:
     from trainer.backends.megatron.policy import MegatronBackendConfig, MegatronPolicy
 
     trainer, megatron = config.trainer, config.megatron
-    policy = MegatronPolicy(
+    return MegatronPolicy(
         model,
         MegatronBackendConfig(
             tensor_parallel=megatron.tensor_parallel,
@@ -65,8 +66,6 @@ def _megatron_policy(config: RunConfig, model: Any) -> TorchPolicy:
             seed=config.seed,
         ),
     )
-    # It answers every call the loop makes of a TorchPolicy (trainer/ranks.py too).
-    return cast(TorchPolicy, policy)
 
 
 def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:

@@ -1,4 +1,2 @@
-"""Trainer backends: `torch_backend` (HF model on CPU or CUDA, FSDP2 across GPUs).
-
-`megatron` (GPU only) is not implemented here.
-"""
+"""Trainer backends: `torch_backend` (an HF model on CPU or CUDA, FSDP2 across ranks) and
+`megatron` (megatron-core on CUDA: docs/megatron.md). Both answer `base.Policy`."""
