@@ -25,6 +25,7 @@ collective leaves it unusable) and the next publish forms a new one under a new 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
@@ -217,10 +218,9 @@ class BroadcastPublisher:
 
     def _drop_group(self) -> None:
         if self._group is not None:
-            try:
+            # A group broken mid-collective may not close cleanly; it is dropped all the same.
+            with contextlib.suppress(Exception):
                 broadcast.close_group(self._group)
-            except Exception:  # a group broken mid-collective may not close cleanly
-                pass
         self._group, self._group_name = None, ""
 
     def close(self) -> None:
