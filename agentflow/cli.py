@@ -320,20 +320,50 @@ def train(
         int | None,
         typer.Option(min=0, max=65535, help="serve the dashboard on 127.0.0.1 at this port"),
     ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="place engines, trainer ranks and env servers on this Ray cluster: 'local' "
+            "(start one here), 'auto', or an address (docs/ray.md)",
+            show_default=False,
+        ),
+    ] = None,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="with Ray: the run's database (default: SQLite in the run directory)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Train in one process (SQLite, local engine, envs, trainer); rerun to resume."""
+    """Train in one process (SQLite, local engine, envs, trainer); rerun to resume.
+    With --ray (or [placement] ray), the engines, the trainer's ranks and the env servers
+    are Ray actors and this process is the run's gateway."""
     run_config = _run_config(config)  # parse before importing torch: bad input fails fast
     if seed is not None:
         name = f"{run_config.name}-seed{seed}"
         run_config = run_config.model_copy(update={"seed": seed, "name": name})
+    placed = ray is not None or bool(run_config.placement.ray)
+    if database_url is not None and not placed:
+        raise _fail(InvalidInput("--database-url is for a run placed with --ray", field="ray"))
+    if placed and ui_port is not None:
+        raise _fail(
+            InvalidInput("with --ray the gateway serves the dashboard at /ui", field="ui_port")
+        )
     from transformers.utils import logging as hf_logging
-
-    from trainer.embedded import train_embedded
 
     hf_logging.disable_progress_bar()  # the run prints its own progress
 
     try:
-        summary = train_embedded(run_config, ui_port=ui_port)
+        if placed:
+            from trainer.ray_run import train_on_ray
+
+            summary = train_on_ray(run_config, ray, database_url=database_url)
+        else:
+            from trainer.embedded import train_embedded
+
+            summary = train_embedded(run_config, ui_port=ui_port)
     except (AgentFlowError, OSError) as exc:
         raise _fail(exc) from None
     _print(summary)

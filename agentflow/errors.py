@@ -76,3 +76,8 @@ class EngineRequestError(EngineError):
 
 class EngineUnavailable(EngineError):
     status_code = 503
+
+
+class EngineLost(EngineUnavailable):
+    """The engine died (a Ray actor that exited, a server that is gone): its sessions
+    and the requests on it are gone with it; a new session elsewhere can go on."""

@@ -641,6 +641,50 @@ class RtpoConfig(_Section):
     )
 
 
+class PlacementConfig(_Section):
+    """Where a run's parts run (docs/ray.md). Empty `ray`: all in the gateway's process;
+    otherwise the run's inference engines are Ray actors behind the gateway (routed by
+    session, replaced when they die), and `agentflow train --ray` also places the
+    trainer's ranks and the env servers as actors."""
+
+    ray: str = Field(
+        default="",
+        max_length=500,
+        description="'' (no Ray), 'local' (start a Ray cluster on this machine, on "
+        "loopback), 'auto' (the cluster this machine belongs to) or a cluster address",
+    )
+    engines: int = Field(default=2, ge=1, le=4096, description="engine actors")
+    engine_cpus: float = Field(default=1.0, gt=0, description="CPUs each engine actor holds")
+    engine_gpus: float = Field(default=0.0, ge=0, description="GPUs each engine actor holds")
+    trainer_cpus: float = Field(default=1.0, gt=0, description="CPUs each trainer rank holds")
+    trainer_gpus: float = Field(default=0.0, ge=0, description="GPUs each trainer rank holds")
+    env_servers: int = Field(
+        default=0,
+        ge=0,
+        le=4096,
+        description="env-server actors per built-in env of the mix (0: envs run in the "
+        "gateway's process); episodes are spread over them",
+    )
+    env_cpus: float = Field(default=1.0, gt=0, description="CPUs each env-server actor holds")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK", description="the placement groups' strategy (Ray's names)"
+    )
+    max_engine_replacements: int = Field(
+        default=8, ge=0, description="engine actors replaced after dying, over the run"
+    )
+    object_store_mb: int = Field(
+        default=1024, ge=100, description="object store of a 'local' cluster (MiB)"
+    )
+
+    @field_validator("ray")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        value = value.strip()
+        if value and any(c.isspace() for c in value):
+            raise ValueError(f"{value!r} is not a Ray address ('local', 'auto' or host:port)")
+        return value
+
+
 class RunConfig(_Section):
     """A whole run. `POST /v1/runs` takes this document as JSON."""
 
@@ -660,6 +704,7 @@ class RunConfig(_Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     rtpo: RtpoConfig = Field(default_factory=RtpoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     logger: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="trackers the step metrics also go to (trainer/loggers.py); "
@@ -713,6 +758,25 @@ class RunConfig(_Section):
             raise ValueError("the Megatron backend trains all weights, one step per batch")
         if self.teachers:
             raise ValueError("distillation is not available with the Megatron backend yet")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self) -> RunConfig:
+        placement = self.placement
+        if not placement.ray:
+            if placement != PlacementConfig():
+                raise ValueError("[placement] places the run on Ray: set placement.ray")
+            return self
+        if self.engine.type != "local":
+            raise ValueError(
+                "engine actors serve the local engine; SGLang servers are placed by their "
+                "own launcher and listed in engine.urls (docs/ray.md)"
+            )
+        if placement.env_servers and any(e.id not in _builtin_env_ids() for e in self.envs):
+            raise ValueError(
+                "placement.env_servers serves built-in envs; a registered env already "
+                "runs where its spec points"
+            )
         return self
 
     @model_validator(mode="after")
@@ -798,6 +862,12 @@ class RunConfig(_Section):
             for entry in envs:  # the warm start plays every env of the mix
                 check_warm_start_env(entry.id, value.p_oracle)
         return value
+
+
+def _builtin_env_ids() -> list[str]:
+    from envs import registry
+
+    return registry.registered()
 
 
 def check_warm_start_env(env_id: str, p_oracle: float) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentflow.agents.runtime import RuntimeRegistry
+from agentflow.api.loop_server import LoopServer
 from agentflow.config import Settings
 from agentflow.db import migrate
 from agentflow.db.blobs import blob_store_for
@@ -30,7 +31,7 @@ from agentflow.errors import InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.manager import RunManager
 from agentflow.run_config import RunConfig, check_device
-from agentflow.ui.app import DashboardServer, create_dashboard_app
+from agentflow.ui.app import create_dashboard_app
 from envs import registry
 from trainer.backends.base import Policy
 from trainer.loggers import build_loggers
@@ -85,7 +86,7 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     check_teachers(config)
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
-    config = _with_warm_start(config, directory)
+    config = with_warm_start(config, directory)
     if config.trainer.threads:
         import torch
 
@@ -95,7 +96,7 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     return config, directory
 
 
-def _with_warm_start(config: RunConfig, directory: Path) -> RunConfig:
+def with_warm_start(config: RunConfig, directory: Path) -> RunConfig:
     """Run the warm start unless it already ran; the config then points at its model."""
     warm = config.warm_start
     if not warm.enabled:
@@ -168,7 +169,7 @@ async def _train(
             if ui_port is not None:
                 app = create_dashboard_app(settings, turns, runtimes)
                 dashboard = await serving.enter_async_context(
-                    DashboardServer(app, "127.0.0.1", ui_port)
+                    LoopServer(app, "127.0.0.1", ui_port)
                 )
                 print(f"dashboard: http://127.0.0.1:{dashboard.port}/ui", flush=True)
             return await _train_run(config, directory, engine, manager)

@@ -4,7 +4,8 @@
   has its own engine session, so each turn sends only the tokens the session has not
   seen. While the env works the session holds no decode slot (its request has finished);
   after `park_after_s` it is *parked*: its KV is released (`close_session`), and the next
-  turn recomputes the context from the tokens already recorded.
+  turn recomputes the context from the tokens already recorded. A turn whose engine died
+  (`EngineLost`, from an `EnginePool`) is sent again the same way, on a new session.
 - `ScriptedActions`: a scripted player (an env's oracle), its moves rendered as the
   tokens a policy emits for them, so supervised data has exactly RL's token format.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from agentflow.agents.episode import EnvWait, EpisodeState, Reply
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.errors import AgentFlowError, InvalidInput
+from agentflow.errors import AgentFlowError, EngineLost, InvalidInput
 from agentflow.inference.base import GenerateRequest, SessionRef
 from agentflow.metrics import GatewayMetrics
 from agentflow.tokenization.chat import ChatTemplate
@@ -45,14 +46,17 @@ class SampledActions:
         *,
         park_after_s: float | None = 5.0,
         metrics: GatewayMetrics | None = None,
+        resends_on_lost_engine: int = 2,
     ) -> None:
         self.runtime = runtime
+        self.resends_on_lost_engine = resends_on_lost_engine
         self.park_after_s = park_after_s
         self.metrics = metrics
         self.session_id: str | None = None
         self.last_rid: str | None = None
         self.parked = False
         self.seen = 0  # context tokens the engine session holds
+        self.resent = 0  # turns sent again after their engine died
 
     async def open(self) -> None:
         self.session_id = await self.runtime.engine.open_session()
@@ -70,23 +74,33 @@ class SampledActions:
             self.parked = True
 
     async def reply(self, state: EpisodeState) -> Reply:
-        if self.parked:  # KV released while the env worked: recompute from the record
-            await self.open()
-        assert self.session_id is not None
         runtime = self.runtime
         sampling = runtime.sampling
         params = sampling.model_copy(
             update={"max_new_tokens": max(1, min(sampling.max_new_tokens, state.room))}
         )
-        request = GenerateRequest(
-            input_ids=tuple(state.context[self.seen :]),
-            sampling=params,
-            rid=uuid.uuid4().hex,
-            session=SessionRef(session_id=self.session_id, parent_rid=self.last_rid),
-            routing_key=self.session_id,
-        )
         started = time.perf_counter()
-        result = await runtime.generate(request)  # continued across weight updates
+        for attempt in range(self.resends_on_lost_engine + 1):
+            if self.parked:  # KV released while the env worked: recompute from the record
+                await self.open()
+            assert self.session_id is not None
+            request = GenerateRequest(
+                input_ids=tuple(state.context[self.seen :]),
+                sampling=params,
+                rid=uuid.uuid4().hex,
+                session=SessionRef(session_id=self.session_id, parent_rid=self.last_rid),
+                routing_key=self.session_id,
+            )
+            try:
+                result = await runtime.generate(request)  # continued across weight updates
+                break
+            except EngineLost:
+                # Its engine died with the session; nothing of this turn was recorded, so
+                # a new session elsewhere recomputes the context and samples the turn anew.
+                if attempt == self.resends_on_lost_engine:
+                    raise
+                self.parked = True  # the session is gone: nothing to close
+                self.resent += 1
         wall = time.perf_counter() - started
         self.last_rid = request.rid
         self.seen = len(state.context) + len(result.output_ids)

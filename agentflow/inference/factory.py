@@ -48,7 +48,12 @@ def _built_here(path: Path) -> bool:
 
 
 def build_engine(config: RunConfig) -> tuple[Engine, int]:
-    """The run's policy engine and its context length."""
+    """The run's policy engine and its context length: with `[placement] ray`, a pool of
+    engine actors (Ray is imported only then)."""
+    if config.placement.ray:
+        from agentflow.placement.engines import place_engines
+
+        return place_engines(config)
     engine_config = config.engine
     if isinstance(engine_config, LocalEngineConfig):
         from agentflow.inference.local import LocalEngine

@@ -326,6 +326,11 @@ class LocalEngine:
                 self._runner.store.clear()
         return version
 
+    def reseed(self, seed: int) -> None:
+        """Draw unseeded requests' samples from a stream started at `seed` (engines of one
+        pool sample differently from the same weights)."""
+        self._runner.shared_generator.manual_seed(seed)
+
     def weight_names(self) -> list[str]:
         """The parameters a full weight update must cover (a tied output layer is not one:
         it is the embedding)."""

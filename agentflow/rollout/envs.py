@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,12 @@ class EnvSource:
     kind: str | None = None
     spec: dict[str, Any] = field(default_factory=dict)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Set when the env is served elsewhere (env-server actors): makes its client.
+    make_env: Callable[[], Env] | None = None
 
     def make(self) -> Env:
+        if self.make_env is not None:
+            return self.make_env()
         if self.kind is None:
             return registry.make(self.ref, **self.kwargs)
         return registry.resolve(parse_spec(self.kind, self.spec))

@@ -9,7 +9,7 @@ import random
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from pydantic import ValidationError
 
@@ -37,6 +37,9 @@ from agentflow.rollout.envs import EnvSource, resolve_env_sources
 from agentflow.rollout.executor import RunExecutor, run_stream
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import UNLOADED, RunConfig
+
+if TYPE_CHECKING:
+    from agentflow.placement.env_servers import EnvServers
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class RunManager:
         self.executors: dict[uuid.UUID, RunExecutor] = {}
         self._streams: dict[uuid.UUID, DbTrajectoryStream] = {}
         self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._env_servers: dict[uuid.UUID, EnvServers] = {}  # placed as Ray actors
 
     async def create(self, config: RunConfig, *, start: bool = True) -> uuid.UUID:
         """Store a new run (linked to the registered envs it plays) and, with `start`,
@@ -100,6 +104,12 @@ class RunManager:
             runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
             try:
                 await self._load_newest_weights(run_id, runtime)
+                if config.placement.ray and config.placement.env_servers:
+                    from agentflow.placement.env_servers import place_env_servers
+
+                    servers = await place_env_servers(config, sources)
+                    self._env_servers[run_id] = servers
+                    sources = servers.sources(sources)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await runtime.engine.close()
@@ -245,6 +255,13 @@ class RunManager:
         if runtime is not None:
             with contextlib.suppress(Exception):
                 await runtime.engine.close()
+        await self._close_env_servers(executor.run_id)
+
+    async def _close_env_servers(self, run_id: uuid.UUID) -> None:
+        servers = self._env_servers.pop(run_id, None)
+        if servers is not None:
+            with contextlib.suppress(Exception):
+                await servers.close()
 
     async def recover(self) -> None:
         """After a crash: no episode stays live; runs that were live start again."""
@@ -289,6 +306,8 @@ class RunManager:
             self.runtimes.remove(run_id)
             with contextlib.suppress(Exception):
                 await runtime.engine.close()
+        for run_id in list(self._env_servers):
+            await self._close_env_servers(run_id)
 
 
 def _python_agent(config: RunConfig) -> Agent:

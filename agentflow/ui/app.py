@@ -7,11 +7,7 @@ startup), so it is safe to open on a database another process is training into.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
 import uuid
-from collections.abc import Iterator
 
 from fastapi import FastAPI
 
@@ -40,44 +36,3 @@ def create_dashboard_app(
     for router in routes.routers:
         app.include_router(router)
     return app
-
-
-class DashboardServer:
-    """The dashboard app served on a port from within a running event loop, for as long
-    as its `async with` lasts. It leaves the process's signals alone: Ctrl-C stops the
-    training as it always does, not this server first."""
-
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
-        self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> DashboardServer:
-        # Bound here, so a taken port is an OSError now (uvicorn would exit the process).
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((self.server.config.host, self.server.config.port))
-        except OSError:
-            self._socket.close()
-            raise
-        self._task = asyncio.create_task(self.server.serve(sockets=[self._socket]))
-        while not self.server.started and not self._task.done():
-            await asyncio.sleep(0.02)
-        return self
-
-    @property
-    def port(self) -> int:
-        return int(self._socket.getsockname()[1])
-
-    async def __aexit__(self, *_: object) -> None:
-        self.server.should_exit = True
-        if self._task is not None:
-            await self._task
-        self._socket.close()

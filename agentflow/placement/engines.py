@@ -1,0 +1,259 @@
+"""Inference engines as Ray actors, behind the gateway as one `EnginePool`.
+
+Each actor (`EngineHost`) holds one local engine in its own process, in a bundle of the
+run's placement group (`placement.engine_cpus` / `engine_gpus` each, `strategy`); the
+gateway talks to it through `RayEngine`, an `Engine` whose calls are actor calls. An
+actor that exits (killed, out of memory, its node gone) surfaces as `EngineLost`, and the
+pool builds a new actor in the same bundle, loaded with the run's newest weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from agentflow.errors import AgentFlowError, EngineLost, EngineUnavailable
+from agentflow.inference.base import (
+    Engine,
+    EngineInfo,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    WeightUpdate,
+)
+from agentflow.inference.pool import EnginePool
+from agentflow.placement.cluster import connect, import_ray
+from agentflow.run_config import PlacementConfig, RunConfig
+
+log = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 600.0  # building an engine loads its model
+_CLOSE_TIMEOUT_S = 30.0
+
+
+def engine_seed(seed: int, index: int, generation: int) -> int:
+    """Each engine of a pool, and each replacement, samples from its own stream."""
+    return seed * 1_000_003 + index * 1_009 + generation
+
+
+class EngineHost:
+    """The body of an engine actor: the run's local engine, in this process."""
+
+    def __init__(self, config_document: dict[str, Any], index: int, generation: int) -> None:
+        import torch
+
+        from agentflow.inference.factory import build_engine
+        from agentflow.inference.local import LocalEngine
+        from agentflow.modeling import import_model_classes
+
+        config = RunConfig.model_validate(config_document)
+        torch.set_num_threads(max(1, int(config.placement.engine_cpus)))
+        import_model_classes()
+        # The engine itself, not another pool: this actor is one member.
+        alone = config.model_copy(update={"placement": PlacementConfig()})
+        engine, self.max_context = build_engine(alone)
+        if isinstance(engine, LocalEngine):
+            engine.reseed(engine_seed(config.seed, index, generation))
+        self.engine: Engine = engine
+        self.index, self.generation = index, generation
+
+    async def ready(self) -> dict[str, Any]:
+        import os
+
+        return {"pid": os.getpid(), "max_context": self.max_context}
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        return await self.engine.generate(req)
+
+    async def open_session(self, session_id: str | None) -> str:
+        return await self.engine.open_session(session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        await self.engine.close_session(session_id)
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return await self.engine.update_weights(update)
+
+    async def info(self) -> EngineInfo:
+        info = await self.engine.info()
+        info.extra.update(index=self.index, generation=self.generation)
+        return info
+
+    async def accepts_images(self) -> bool:
+        return await self.engine.accepts_images()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class RayEngine:
+    """An `Engine` whose calls go to one engine actor."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor = actor
+        self.name = name
+        self._ray = import_ray()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        exceptions = self._ray.exceptions
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except exceptions.RayActorError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EngineLost(f"{self.name} is gone ({reason})") from None
+        except exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, AgentFlowError):  # the engine's own error, as it raised it
+                raise cause from None
+            raise EngineUnavailable(f"{self.name}: {cause or exc}") from None
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        result: GenerateResult = await self._call("generate", req)
+        return result
+
+    async def open_session(self, session_id: str | None = None) -> str:
+        return str(await self._call("open_session", session_id))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._call("close_session", session_id)
+
+    async def abort(self, rid: str) -> None:
+        await self._call("abort", rid)
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        await self._call("pause", PauseMode(mode))
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return int(await self._call("update_weights", update))
+
+    async def info(self) -> EngineInfo:
+        info: EngineInfo = await self._call("info")
+        return info
+
+    async def accepts_images(self) -> bool:
+        return bool(await self._call("accepts_images"))
+
+    async def close(self) -> None:
+        """Close the engine, then end the actor (its bundle is free for another)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._call("close"), _CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            self._ray.kill(self.actor, no_restart=True)
+
+
+class RayEnginePool(EnginePool):
+    """The run's engine actors, and the placement group that holds their bundles."""
+
+    def __init__(self, engines: list[Engine], *, config: RunConfig, group: Any) -> None:
+        super().__init__(
+            engines,
+            replace=self._start_replacement,
+            max_replacements=config.placement.max_engine_replacements,
+        )
+        self.config = config
+        self.group = group
+
+    async def _start_replacement(self, index: int, generation: int) -> Engine:
+        return await start_engine(self.config, self.group, index, generation)
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            with contextlib.suppress(Exception):
+                import_ray().util.remove_placement_group(self.group)
+
+
+def _actor_options(config: RunConfig, group: Any, index: int, generation: int) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    placement = config.placement
+    return {
+        "num_cpus": placement.engine_cpus,
+        "num_gpus": placement.engine_gpus,
+        "max_restarts": 0,  # the pool replaces it, with the run's newest weights
+        # Every live episode may have a request or a session call in flight at once.
+        "max_concurrency": 2 * config.rollout.max_concurrency + 64,
+        "name": None,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=index
+        ),
+    }
+
+
+async def start_engine(config: RunConfig, group: Any, index: int, generation: int) -> RayEngine:
+    """Start engine actor `index` (its `generation`-th) and wait until it serves."""
+    ray = import_ray()
+    remote = ray.remote(EngineHost).options(**_actor_options(config, group, index, generation))
+    actor = remote.remote(config.model_dump(mode="json"), index, generation)
+    engine = RayEngine(actor, f"engine actor {index}.{generation}")
+    try:
+        await asyncio.wait_for(engine._call("ready"), _READY_TIMEOUT_S)
+    except (AgentFlowError, TimeoutError) as exc:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        raise EngineUnavailable(f"engine actor {index} did not start: {exc}") from None
+    return engine
+
+
+def engine_bundles(placement: PlacementConfig) -> list[dict[str, float]]:
+    bundle = {"CPU": placement.engine_cpus}
+    if placement.engine_gpus:
+        bundle["GPU"] = placement.engine_gpus
+    return [dict(bundle) for _ in range(placement.engines)]
+
+
+def place_engines(config: RunConfig) -> tuple[RayEnginePool, int]:
+    """The run's engine actors in a placement group, as one pool; blocks until all
+    serve (call it from a thread). Returns the pool and the engines' context length."""
+    placement = config.placement
+    ray = connect(
+        placement.ray,
+        num_cpus=placement.engines * placement.engine_cpus + placement.trainer_cpus,
+        object_store_mb=placement.object_store_mb,
+    )
+    group = ray.util.placement_group(engine_bundles(placement), strategy=placement.strategy)
+    try:
+        ray.get(group.ready(), timeout=_READY_TIMEOUT_S)
+    except Exception as exc:
+        ray.util.remove_placement_group(group)
+        raise EngineUnavailable(
+            f"the cluster cannot hold {placement.engines} engine actors "
+            f"({engine_bundles(placement)[0]} each, {placement.strategy}): {exc}"
+        ) from None
+
+    async def start_all() -> list[RayEngine]:
+        started = await asyncio.gather(
+            *(start_engine(config, group, i, 0) for i in range(placement.engines)),
+            return_exceptions=True,
+        )
+        engines = [e for e in started if isinstance(e, RayEngine)]
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            for engine in engines:
+                await engine.close()
+            raise failed[0]
+        return engines
+
+    try:
+        engines = asyncio.run(start_all())
+        max_context = int(ray.get(engines[0].actor.ready.remote())["max_context"])
+    except BaseException:
+        ray.util.remove_placement_group(group)
+        raise
+    log.info("placed %d engine actors", len(engines))
+    return RayEnginePool(list(engines), config=config, group=group), max_context

@@ -1,0 +1,190 @@
+"""A run placed on a real Ray cluster (started on loopback for this module): engine
+actors behind the gateway, one killed mid-run, and env servers as actors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from agentflow.api.app import create_app
+from agentflow.client import AsyncClient
+from agentflow.config import Settings
+from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef, WeightUpdate
+from agentflow.modeling import ModelInit, build_model
+from agentflow.placement.engines import RayEngine, RayEnginePool
+from agentflow.run_config import RunConfig
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.integration
+
+TINY = {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}
+TERMINAL = {"completed", "truncated", "failed", "aborted"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    from agentflow.placement.cluster import connect, disconnect
+
+    connect("local", num_cpus=8, object_store_mb=128)
+    yield
+    disconnect()  # the cluster's processes end with the module
+
+
+def run_config(**placement: Any) -> dict[str, Any]:
+    return {
+        "name": f"placed-{uuid.uuid4().hex[:6]}",
+        "model": {"init": TINY},
+        "envs": [{"id": "agentflow/guess-number-v0", "max_concurrency": 8}],
+        "agent": {"max_turns": 5, "max_new_tokens": 8, "max_tokens": 256},
+        "rollout": {"group_size": 2, "max_concurrency": 8, "wait_for_trainer": False},
+        "placement": {"ray": "local", "engines": 2, "engine_cpus": 0.5, **placement},
+    }
+
+
+@pytest.fixture
+async def gateway(cluster: None, pg_database: str) -> AsyncIterator[tuple[AsyncClient, Any]]:
+    app = create_app(Settings(database_url=pg_database))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+            yield client, app
+
+
+async def until(predicate: Any, timeout: float = 120.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def all_episodes(api: AsyncClient, run_id: uuid.UUID) -> list[Any]:
+    items, offset = [], 0
+    while True:
+        page = (await api.list_run_episodes(run_id, limit=100, offset=offset)).items
+        items += page
+        if len(page) < 100:
+            return items
+        offset += 100
+
+
+async def test_engine_actors_route_by_session_and_take_weights(cluster: None) -> None:
+    from agentflow.inference.factory import build_engine
+
+    config = RunConfig.model_validate(run_config())
+    pool, max_context = await asyncio.to_thread(build_engine, config)
+    try:
+        assert isinstance(pool, RayEnginePool) and max_context == 256
+        pids = {(await e.actor.ready.remote())["pid"] for e in pool.engines() if e is not None}
+        assert len(pids) == 2  # two processes, neither this one
+        sessions = [await pool.open_session() for _ in range(4)]
+        info = await pool.info()
+        assert [m["index"] for m in info.extra["members"]] == [0, 1]
+        assert info.sessions == 4
+        for sid in sessions:
+            request = GenerateRequest(
+                input_ids=(1, 2, 3),
+                sampling=SamplingParams(max_new_tokens=4),
+                session=SessionRef(session_id=sid),
+            )
+            assert len((await pool.generate(request)).output_ids) == 4
+        state = build_model(ModelInit(**TINY), seed=1).state_dict()
+        assert await pool.update_weights(WeightUpdate(state_dict=state)) == 1
+        members = (await pool.info()).extra["members"]
+        assert len(members) == 2
+        for engine in pool.engines():
+            assert isinstance(engine, RayEngine)
+            assert (await engine.info()).weight_version == 1
+    finally:
+        await pool.close()
+
+
+async def test_killing_an_engine_actor_mid_run_loses_no_episode(
+    gateway: tuple[AsyncClient, Any],
+) -> None:
+    api, app = gateway
+    run = await api.create_run(run_config())
+    pool = app.state.runtimes.get(run.id).engine
+    assert isinstance(pool, RayEnginePool)
+
+    async def played(n: int) -> bool:
+        done = [e for e in await all_episodes(api, run.id) if e.status in TERMINAL]
+        return len(done) >= n
+
+    await until(lambda: played(6))
+    victim = pool.engines()[0]
+    assert isinstance(victim, RayEngine)
+    ray.kill(victim.actor, no_restart=True)
+
+    async def replacement_served() -> bool:
+        if pool.counters.replaced < 1:
+            return False
+        members = (await pool.info()).extra["members"]
+        return any(m["generation"] == 1 and m["steps"] > 0 for m in members)
+
+    await until(replacement_served)
+    await until(lambda: played(30))
+    await api.stop_run(run.id)
+    await until(lambda: _status(api, run.id, "stopped"))
+
+    assert pool.counters.lost == 1 and pool.counters.replaced == 1
+    assert pool.counters.lost_requests >= 1, "the dead engine held sessions"
+    episodes = await all_episodes(api, run.id)
+    executor_started = len(episodes)
+    assert executor_started >= 30
+    assert {e.status for e in episodes} <= TERMINAL, "every episode ended, none dangles"
+    by_status = {s: sum(e.status == s for e in episodes) for s in TERMINAL}
+    # The turns that were on the dead engine were sent again on a live one: no episode
+    # failed; the only aborted ones are those the stop cut short, with that reason.
+    assert by_status["failed"] == 0, [e.error for e in episodes if e.status == "failed"]
+    assert by_status["completed"] + by_status["truncated"] >= 30
+    for episode in episodes:
+        if episode.status == "aborted":
+            assert episode.error == "stopped through the API"
+
+
+async def test_env_servers_as_actors_serve_the_episodes(
+    gateway: tuple[AsyncClient, Any],
+) -> None:
+    api, app = gateway
+    run = await api.create_run(run_config(engines=1, env_servers=2, env_cpus=0.5))
+    servers = app.state.run_manager._env_servers[run.id]
+    urls = servers.urls["agentflow/guess-number-v0"]
+    assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    seen = dict.fromkeys(urls, 0)
+
+    async def both_served() -> bool:
+        async with httpx.AsyncClient() as http:
+            for url in urls:
+                health = (await http.get(f"{url}/healthz")).json()
+                seen[url] = max(seen[url], health["sessions"])
+        return all(seen.values())
+
+    await until(both_served)
+
+    async def finished_some() -> bool:
+        episodes = await all_episodes(api, run.id)
+        return sum(e.status in ("completed", "truncated") for e in episodes) >= 4
+
+    await until(finished_some)
+    await api.stop_run(run.id)
+    await until(lambda: _status(api, run.id, "stopped"))
+    episodes = await all_episodes(api, run.id)
+    assert {e.status for e in episodes} <= TERMINAL
+    assert any(e.status in ("completed", "truncated") for e in episodes), [
+        (e.status, e.error) for e in episodes
+    ]
+    assert not [e.error for e in episodes if e.status == "failed"]
+    assert run.id not in app.state.run_manager._env_servers  # stopped with the run
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(httpx.TransportError):
+            await http.get(f"{urls[0]}/healthz", timeout=2.0)
+
+
+async def _status(api: AsyncClient, run_id: uuid.UUID, status: str) -> bool:
+    return (await api.get_run(run_id)).status == status
