@@ -158,7 +158,9 @@ class LocalEngineConfig(_Section):
 class SGLangEngineConfig(_Section):
     type: Literal["sglang"] = "sglang"
     urls: list[AnyHttpUrl] = Field(
-        min_length=1, description="an sglang-router, or the first server then the others"
+        default_factory=list,
+        description="an sglang-router, or the first server then the others; empty when "
+        "`[placement] ray` starts the servers as engine actors",
     )
     behind_router: bool = Field(default=True, description="a single URL is an sglang-router")
     timeout_s: float = Field(default=600.0, gt=0, description="per-request timeout")
@@ -641,6 +643,24 @@ class RtpoConfig(_Section):
     )
 
 
+# SGLang's server as the engines need it: ids in and out, sessions with a radix cache.
+SGLANG_LAUNCH = (
+    "{python}",
+    "-m",
+    "sglang.launch_server",
+    "--model-path",
+    "{model_path}",
+    "--host",
+    "{host}",
+    "--port",
+    "{port}",
+    "--tp-size",
+    "{tp}",
+    "--skip-tokenizer-init",
+    "--enable-session-radix-cache",
+)
+
+
 class PlacementConfig(_Section):
     """Where a run's parts run (docs/ray.md). Empty `ray`: all in the gateway's process;
     otherwise the run's inference engines are Ray actors behind the gateway (routed by
@@ -675,6 +695,31 @@ class PlacementConfig(_Section):
     object_store_mb: int = Field(
         default=1024, ge=100, description="object store of a 'local' cluster (MiB)"
     )
+    sglang_command: list[str] = Field(
+        default_factory=lambda: list(SGLANG_LAUNCH),
+        min_length=1,
+        description="how an engine actor starts its SGLang server (engine.type = 'sglang'); "
+        "{python}, {model_path}, {host}, {port} and {tp} (engine_gpus) are filled in",
+    )
+    sglang_ready_s: float = Field(
+        default=900.0, gt=0, description="how long a starting SGLang server may take"
+    )
+
+    @field_validator("sglang_command")
+    @classmethod
+    def _placeholders(cls, value: list[str]) -> list[str]:
+        known = {"python": "", "model_path": "", "host": "", "port": "", "tp": ""}
+        for part in value:
+            try:
+                part.format(**known)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"{part!r}: placeholders are {{python}}, {{model_path}}, {{host}}, "
+                    f"{{port}} and {{tp}} ({type(exc).__name__}: {exc})"
+                ) from None
+        if not any("{port}" in part for part in value):
+            raise ValueError("the server must listen on {port}, which its actor picks")
+        return value
 
     @field_validator("ray")
     @classmethod
@@ -763,14 +808,25 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _placement(self) -> RunConfig:
         placement = self.placement
+        engine = self.engine
         if not placement.ray:
             if placement != PlacementConfig():
                 raise ValueError("[placement] places the run on Ray: set placement.ray")
+            if isinstance(engine, SGLangEngineConfig) and not engine.urls:
+                raise ValueError(
+                    "engine.urls: list the SGLang servers (or a router), or set "
+                    "[placement] ray to start them as engine actors"
+                )
             return self
-        if self.engine.type != "local":
+        if isinstance(engine, SGLangEngineConfig) and engine.urls:
             raise ValueError(
-                "engine actors serve the local engine; SGLang servers are placed by their "
-                "own launcher and listed in engine.urls (docs/ray.md)"
+                "with [placement] ray the engine actors start their SGLang servers: leave "
+                "engine.urls empty"
+            )
+        if self.weights.sync == "nccl":
+            raise ValueError(
+                "weights reach placed engines from disk (a path every node sees): "
+                "set weights.sync = 'disk'"
             )
         if placement.env_servers and any(e.id not in _builtin_env_ids() for e in self.envs):
             raise ValueError(

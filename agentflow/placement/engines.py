@@ -1,9 +1,10 @@
 """Inference engines as Ray actors, behind the gateway as one `EnginePool`.
 
-Each actor (`EngineHost`) holds one local engine in its own process, in a bundle of the
-run's placement group (`placement.engine_cpus` / `engine_gpus` each, `strategy`); the
-gateway talks to it through `RayEngine`, an `Engine` whose calls are actor calls. An
-actor that exits (killed, out of memory, its node gone) surfaces as `EngineLost`, and the
+Each actor (`EngineHost`) holds one engine in its own process, in a bundle of the run's
+placement group (`placement.engine_cpus` / `engine_gpus` each, `strategy`): the local
+engine, or an SGLang server it starts on its node and GPUs
+(`agentflow.placement.sglang_server`). The gateway talks to it through `RayEngine`, an
+`Engine` whose calls are actor calls. An actor that exits (killed, out of memory, its node gone) surfaces as `EngineLost`, and the
 pool builds a new actor in the same bundle, loaded with the run's newest weights.
 """
 
@@ -24,8 +25,9 @@ from agentflow.inference.base import (
     WeightUpdate,
 )
 from agentflow.inference.pool import EnginePool
-from agentflow.placement.cluster import connect, import_ray
-from agentflow.run_config import PlacementConfig, RunConfig
+from agentflow.placement.cluster import LOOPBACK, connect, import_ray
+from agentflow.placement.sglang_server import SGLangServer
+from agentflow.run_config import PlacementConfig, RunConfig, SGLangEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,27 +44,42 @@ class EngineHost:
     """The body of an engine actor: the run's local engine, in this process."""
 
     def __init__(self, config_document: dict[str, Any], index: int, generation: int) -> None:
+        from agentflow.inference.factory import build_engine
+
+        self.engine: Engine
+        config = RunConfig.model_validate(config_document)
+        self.index, self.generation = index, generation
+        self.server: SGLangServer | None = None
+        # The engine itself, not another pool: this actor is one member.
+        alone = config.model_copy(update={"placement": PlacementConfig()})
+        if isinstance(config.engine, SGLangEngineConfig):
+            self.server = SGLangServer(config, _serving_host(config))
+            url = self.server.start()
+            self.server.exit_with_server()
+            engine_config = config.engine.model_copy(update={"urls": [url], "behind_router": False})
+            alone = alone.model_copy(update={"engine": engine_config})
+            self.engine, self.max_context = build_engine(alone)
+            return
         import torch
 
-        from agentflow.inference.factory import build_engine
         from agentflow.inference.local import LocalEngine
         from agentflow.modeling import import_model_classes
 
-        config = RunConfig.model_validate(config_document)
         torch.set_num_threads(max(1, int(config.placement.engine_cpus)))
         import_model_classes()
-        # The engine itself, not another pool: this actor is one member.
-        alone = config.model_copy(update={"placement": PlacementConfig()})
         engine, self.max_context = build_engine(alone)
         if isinstance(engine, LocalEngine):
             engine.reseed(engine_seed(config.seed, index, generation))
-        self.engine: Engine = engine
-        self.index, self.generation = index, generation
+        self.engine = engine
 
     async def ready(self) -> dict[str, Any]:
         import os
 
         return {"pid": os.getpid(), "max_context": self.max_context}
+
+    async def server_url(self) -> str | None:
+        """The SGLang server this actor started, if it started one."""
+        return self.server.url if self.server is not None else None
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         return await self.engine.generate(req)
@@ -94,7 +111,19 @@ class EngineHost:
         return await self.engine.accepts_images()
 
     async def close(self) -> None:
-        await self.engine.close()
+        try:
+            await self.engine.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+
+
+def _serving_host(config: RunConfig) -> str:
+    """Where this actor's server listens: loopback on a 'local' cluster, else the node's
+    address, which the gateway reaches."""
+    if config.placement.ray == "local":
+        return LOOPBACK
+    return str(import_ray().util.get_node_ip_address())
 
 
 class RayEngine:

@@ -37,7 +37,7 @@ _PR_SET_PDEATHSIG = 1
 _libc: Any = None
 
 
-def _die_with(parent: int) -> Callable[[], None]:
+def die_with(parent: int) -> Callable[[], None]:
     """A `preexec_fn`: SIGKILL this child when its parent goes (and if it already has)."""
     global _libc
     if _libc is None:  # loaded before the fork: dlopen in a forked child is not safe
@@ -75,7 +75,7 @@ async def spawn(
             cwd=cwd,
             pass_fds=tuple(pass_fds),
             process_group=0,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ from agentflow.api.app import create_app
 from agentflow.client import AsyncClient
 from agentflow.config import Settings
 from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef, WeightUpdate
-from agentflow.modeling import ModelInit, build_model
+from agentflow.modeling import ModelInit, build_model, save_model
 from agentflow.placement.engines import RayEngine, RayEnginePool
 from agentflow.run_config import RunConfig
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 TINY = {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}
 TERMINAL = {"completed", "truncated", "failed", "aborted"}
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +190,58 @@ async def test_env_servers_as_actors_serve_the_episodes(
 
 async def _status(api: AsyncClient, run_id: uuid.UUID, status: str) -> bool:
     return (await api.get_run(run_id)).status == status
+
+
+def mock_sglang_command() -> list[str]:
+    """The stand-in SGLang server (tests/support/mock_sglang.py) in SGLang's place."""
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+    code += "from tests.support.mock_sglang import main; main()"
+    return [
+        "{python}", "-c", code,
+        "--host", "{host}", "--port", "{port}", "--model-path", "{model_path}",
+    ]  # fmt: skip
+
+
+async def test_sglang_servers_started_by_engine_actors_die_with_them(
+    gateway: tuple[AsyncClient, Any], tmp_path: Path
+) -> None:
+    api, app = gateway
+    model_dir = save_model(build_model(ModelInit(**TINY), seed=0), tmp_path / "model")
+    config = run_config(sglang_command=mock_sglang_command(), sglang_ready_s=120)
+    config.update(model={"path": str(model_dir)}, engine={"type": "sglang", "max_context": 256})
+    run = await api.create_run(config)
+    pool = app.state.runtimes.get(run.id).engine
+    assert isinstance(pool, RayEnginePool)
+    urls = [await e.actor.server_url.remote() for e in pool.engines() if isinstance(e, RayEngine)]
+    assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+
+    async def played(n: int) -> bool:
+        done = [e for e in await all_episodes(api, run.id) if e.status in TERMINAL]
+        return len(done) >= n
+
+    await until(lambda: played(4))
+    victim = pool.engines()[0]
+    assert isinstance(victim, RayEngine)
+    url = await victim.actor.server_url.remote()
+    ray.kill(victim.actor, no_restart=True)
+
+    async def replaced() -> bool:
+        return pool.counters.replaced >= 1
+
+    await until(replaced)
+
+    async def server_gone() -> bool:
+        async with httpx.AsyncClient() as http:
+            try:
+                await http.get(f"{url}/health", timeout=1.0)
+            except httpx.TransportError:
+                return True
+        return False
+
+    await until(server_gone, timeout=30.0)  # the server went with its actor
+    await until(lambda: played(12))
+    await api.stop_run(run.id)
+    await until(lambda: _status(api, run.id, "stopped"))
+    episodes = await all_episodes(api, run.id)
+    assert {e.status for e in episodes} <= TERMINAL
+    assert not [e.error for e in episodes if e.status == "failed"]
