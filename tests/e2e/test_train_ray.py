@@ -1,0 +1,87 @@
+"""`agentflow train CONFIG --ray local` end to end: a Ray cluster started for the run,
+two engine actors behind the gateway, two trainer ranks as actors publishing by disk
+sync, and nothing of the cluster left once the command returns."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+name = "placed"
+seed = 0
+[model]
+init = { layers = 1, hidden = 32, heads = 2, max_context = 256 }
+[engine]
+type = "local"
+max_batch_size = 32
+[[envs]]
+id = "agentflow/guess-number-v0"
+[agent]
+max_turns = 3
+max_tokens = 256
+max_new_tokens = 8
+[rollout]
+group_size = 4
+max_staleness = 1
+max_concurrency = 32
+[trainer]
+batch_episodes = 16
+steps = 3
+checkpoint_every = 2
+threads = 1
+ranks = 2
+run_dir = "runs"
+[warm_start]
+enabled = false
+[placement]
+ray = "local"
+engines = 2
+engine_cpus = 0.5
+trainer_cpus = 0.5
+"""
+
+
+def _actor_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "ray::EngineHost" in line or "raylet" in line]
+
+
+def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None:
+    before = _actor_processes()
+    (tmp_path / "placed.toml").write_text(CONFIG)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentflow", "train", "placed.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    assert summary["steps"] == 3
+    assert summary["placement"]["engines"] == 2 and summary["placement"]["live_engines"] == 2
+    run_dir = tmp_path / "runs" / "placed"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["ranks"] == 2 for r in rows)  # both trainer actors trained each batch
+    assert (run_dir / "checkpoints").is_dir()
+    with sqlite3.connect(run_dir / "agentflow.db") as db:
+        versions = db.execute("SELECT version, uri FROM weight_versions ORDER BY version").fetchall()
+        turns = db.execute("SELECT count(*) FROM turns WHERE kind = 'policy'").fetchone()[0]
+    # Each step's weights went to the engine actors from the run directory.
+    assert [v for v, _ in versions] == [1, 2, 3]
+    assert all(str(run_dir / "weights") in uri for _, uri in versions)
+    assert turns > 0
+    assert _actor_processes() == before, "the cluster the command started is gone"
