@@ -692,6 +692,12 @@ class PlacementConfig(_Section):
     max_engine_replacements: int = Field(
         default=8, ge=0, description="engine actors replaced after dying, over the run"
     )
+    max_trainer_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="times the trainer's ranks start again (from the newest checkpoint) "
+        "after one of their actors died",
+    )
     object_store_mb: int = Field(
         default=1024, ge=100, description="object store of a 'local' cluster (MiB)"
     )

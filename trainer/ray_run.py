@@ -167,7 +167,41 @@ async def _serve_and_train(config: RunConfig, url: str) -> dict[str, Any]:
 
 
 async def _train_ranks(config: RunConfig, gateway: str, host: str) -> dict[str, Any]:
-    """Start `trainer.ranks` trainer actors in one placement group; rank 0's summary."""
+    """Train with `trainer.ranks` actors; rank 0's summary. When a rank's actor dies, every
+    rank is started again (up to `placement.max_trainer_restarts` times): the new ranks
+    take up the same run from the newest checkpoint, and its unacknowledged leases go
+    back to the stream, so no trajectory is lost or trained twice past a checkpoint."""
+    from agentflow.placement.cluster import import_ray
+
+    ray = import_ray()
+    restarts = 0
+    while True:
+        try:
+            result = await _train_once(config, gateway, host)
+        except ray.exceptions.RayActorError as exc:
+            if restarts >= config.placement.max_trainer_restarts:
+                raise AgentFlowError(
+                    f"a trainer rank died {restarts + 1} times; last: {_first_line(exc)}"
+                ) from None
+            restarts += 1
+            print(
+                f"trainer: a rank's actor died ({_first_line(exc)}); starting the ranks "
+                f"again from the newest checkpoint ({restarts} of "
+                f"{config.placement.max_trainer_restarts})",
+                flush=True,
+            )
+            continue
+        result["trainer_restarts"] = restarts
+        return result
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, Any]:
+    """One set of trainer-rank actors in one placement group, until rank 0 is done."""
     from agentflow.placement.cluster import import_ray
 
     ray = import_ray()
@@ -188,7 +222,7 @@ async def _train_ranks(config: RunConfig, gateway: str, host: str) -> dict[str, 
             options = {
                 "num_cpus": placement.trainer_cpus,
                 "num_gpus": placement.trainer_gpus,
-                "max_restarts": 0,
+                "max_restarts": 0,  # restarted here, all ranks together
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=rank
                 ),

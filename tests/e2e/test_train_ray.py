@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,10 +80,50 @@ def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None
     assert all(r["ranks"] == 2 for r in rows)  # both trainer actors trained each batch
     assert (run_dir / "checkpoints").is_dir()
     with sqlite3.connect(run_dir / "agentflow.db") as db:
-        versions = db.execute("SELECT version, uri FROM weight_versions ORDER BY version").fetchall()
+        versions = db.execute(
+            "SELECT version, uri FROM weight_versions ORDER BY version"
+        ).fetchall()
         turns = db.execute("SELECT count(*) FROM turns WHERE kind = 'policy'").fetchone()[0]
     # Each step's weights went to the engine actors from the run directory.
     assert [v for v, _ in versions] == [1, 2, 3]
     assert all(str(run_dir / "weights") in uri for _, uri in versions)
     assert turns > 0
     assert _actor_processes() == before, "the cluster the command started is gone"
+
+
+def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path) -> None:
+    config = CONFIG.replace("steps = 3", "steps = 6").replace("ranks = 2", "ranks = 1")
+    (tmp_path / "placed.toml").write_text(config)
+    metrics = tmp_path / "runs" / "placed" / "metrics.jsonl"
+    others = _trainer_pids()
+    with subprocess.Popen(
+        [sys.executable, "-m", "agentflow", "train", "placed.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as command:
+        try:
+            deadline = time.monotonic() + 300
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+                assert command.poll() is None, command.stderr.read() if command.stderr else ""
+                assert time.monotonic() < deadline, "no third step"
+                time.sleep(0.2)
+            trainers = _trainer_pids() - others
+            assert len(trainers) == 1
+            os.kill(trainers.pop(), signal.SIGKILL)
+            out, err = command.communicate(timeout=600)
+        finally:
+            if command.poll() is None:
+                command.kill()
+    assert command.returncode == 0, err[-3000:]
+    summary = json.loads(out[out.index("{\n") :])
+    assert summary["trainer_restarts"] == 1
+    assert summary["last_step"] == 6
+    assert "starting the ranks again from the newest checkpoint" in out
+
+
+def _trainer_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "ray::TrainerRank" in line}
