@@ -4,8 +4,9 @@ Each actor (`EngineHost`) holds one engine in its own process, in a bundle of th
 placement group (`placement.engine_cpus` / `engine_gpus` each, `strategy`): the local
 engine, or an SGLang server it starts on its node and GPUs
 (`agentflow.placement.sglang_server`). The gateway talks to it through `RayEngine`, an
-`Engine` whose calls are actor calls. An actor that exits (killed, out of memory, its node gone) surfaces as `EngineLost`, and the
-pool builds a new actor in the same bundle, loaded with the run's newest weights.
+`Engine` whose calls are actor calls. An actor that exits (killed, out of memory, its
+node gone) surfaces as `EngineLost`, and the pool builds a new actor in the same bundle,
+loaded with the run's newest weights.
 """
 
 from __future__ import annotations
