@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentflow.errors import AgentFlowError, InvalidInput
-from agentflow.run_config import RunConfig, check_device
+from agentflow.run_config import RunConfig
 
 _TRAINER_READY_S = 600.0
 
@@ -35,8 +35,7 @@ class TrainerRank:
     """The body of one trainer-rank actor: the split trainer, as rank `rank` of `world`."""
 
     def __init__(self, rank: int, world: int, master: tuple[str, int] | None) -> None:
-        if world > 1:
-            assert master is not None
+        if master is not None:  # a process group: several ranks, or the Megatron backend
             # What torchrun would set; each rank holds its own GPU (Ray sets
             # CUDA_VISIBLE_DEVICES), so its local device is the first it sees.
             os.environ.update(
@@ -96,9 +95,8 @@ def train_on_ray(
 
     started = time.perf_counter()
     config = placed_config(config, address)
-    if config.engine.type != "local":
-        raise InvalidInput("engine actors serve the local engine", field=("engine", "type"))
-    check_device(config.trainer.device, ("trainer", "device"))
+    # Devices are checked where they are used: a trainer rank or an engine actor may sit
+    # on a GPU node while this process runs on one without.
     directory = run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
     config = with_warm_start(config, directory)
@@ -217,7 +215,9 @@ async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, A
     await asyncio.wait_for(group.ready(), _TRAINER_READY_S)
     actors = []
     try:
-        master = (host, _free_port(host)) if world > 1 else None
+        from trainer import ranks
+
+        master = (host, _free_port(host)) if ranks.needs_ranks(config) else None
         for rank in range(world):
             options = {
                 "num_cpus": placement.trainer_cpus,

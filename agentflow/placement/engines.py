@@ -62,10 +62,12 @@ class EngineHost:
             self.engine, self.max_context = build_engine(alone)
             return
         import torch
+        from transformers.utils import logging as hf_logging
 
         from agentflow.inference.local import LocalEngine
         from agentflow.modeling import import_model_classes
 
+        hf_logging.disable_progress_bar()  # the driver's output is the run's progress
         torch.set_num_threads(max(1, int(config.placement.engine_cpus)))
         import_model_classes()
         engine, self.max_context = build_engine(alone)

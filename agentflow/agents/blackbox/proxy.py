@@ -38,7 +38,13 @@ from agentflow.agents.blackbox.openai_schema import ChatCompletionRequest
 from agentflow.agents.blackbox.stops import StopWatch, stop_cut
 from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict, EngineRequestError, EngineUnavailable, InvalidInput
+from agentflow.errors import (
+    Conflict,
+    EngineLost,
+    EngineRequestError,
+    EngineUnavailable,
+    InvalidInput,
+)
 from agentflow.images import blob_id, data_url
 from agentflow.inference.base import (
     GenerateRequest,
@@ -183,9 +189,20 @@ class ChatProxy:
         image_data = tuple(data_url(image) for image in images)
         stops = request.stop_strings()
         observer = _observers(on_tokens, self._stop_watch(runtime, turn_id, stops))
-        result = await self._run(
-            runtime, state, session, turn_id, path, context, sampling, image_data, observer
-        )
+        try:
+            result = await self._run(
+                runtime, state, session, turn_id, path, context, sampling, image_data, observer
+            )
+        except EngineLost:
+            if session is None:
+                raise
+            # The session went with its engine (a pool's member died): open it again on a
+            # live engine and send the whole context; nothing of this turn was recorded.
+            state.session_id = None
+            session = await self._session(episode_id, state, runtime)
+            result = await self._run(
+                runtime, state, session, turn_id, path, context, sampling, image_data, observer
+            )
         generate_s = time.perf_counter() - start
         cut = stop_cut(runtime.template.tokenizer.decode, result.output_ids, stops)
         if cut is not None:  # stops.py: keep the tokens up to the stop string
