@@ -742,6 +742,8 @@ class RunConfig(_Section):
     name: Name = Field(description="run name: letters, digits, `.`, `_`, `-`")
     seed: int = Field(default=0, ge=0)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    # Before the engine: whether the engine's servers are listed or started depends on it.
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     engine: EngineConfig = Field(default_factory=LocalEngineConfig)
     envs: list[EnvEntry] = Field(min_length=1, description="the env mix")
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -755,7 +757,6 @@ class RunConfig(_Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     rtpo: RtpoConfig = Field(default_factory=RtpoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
-    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     logger: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
         description="trackers the step metrics also go to (trainer/loggers.py); "
@@ -779,6 +780,18 @@ class RunConfig(_Section):
             raise ValueError(
                 "an sglang engine needs model.path (its tokenizer must match the server's); "
                 "model.init builds a model only for the local engine"
+            )
+        placement = info.data.get("placement")
+        placed = placement is not None and bool(placement.ray)
+        if isinstance(value, SGLangEngineConfig) and not value.urls and not placed:
+            raise ValueError(
+                "engine.urls: list the SGLang servers (or a router), or set "
+                "[placement] ray to start them as engine actors"
+            )
+        if isinstance(value, SGLangEngineConfig) and value.urls and placed:
+            raise ValueError(
+                "engine.urls: with [placement] ray the engine actors start their SGLang "
+                "servers; leave it empty"
             )
         return value
 
@@ -814,21 +827,10 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _placement(self) -> RunConfig:
         placement = self.placement
-        engine = self.engine
         if not placement.ray:
             if placement != PlacementConfig():
                 raise ValueError("[placement] places the run on Ray: set placement.ray")
-            if isinstance(engine, SGLangEngineConfig) and not engine.urls:
-                raise ValueError(
-                    "engine.urls: list the SGLang servers (or a router), or set "
-                    "[placement] ray to start them as engine actors"
-                )
             return self
-        if isinstance(engine, SGLangEngineConfig) and engine.urls:
-            raise ValueError(
-                "with [placement] ray the engine actors start their SGLang servers: leave "
-                "engine.urls empty"
-            )
         if self.weights.sync == "nccl":
             raise ValueError(
                 "weights reach placed engines from disk (a path every node sees): "

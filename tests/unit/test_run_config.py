@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,7 @@ def test_options_that_work_are_accepted(patch: dict[str, Any]) -> None:
     ("patch", "loc"),
     [
         ({"model": {"init": {"hidden": 100, "heads": 3}}}, ("model", "init")),
-        ({"engine": {"type": "sglang", "urls": []}}, ("engine", "sglang", "urls")),
+        ({"engine": {"type": "sglang", "urls": []}}, ("engine",)),
         ({"agent": {"type": "http"}}, ("agent",)),
         ({"teachers": [{"name": "t"}]}, ("teachers", 0)),  # neither path nor url
         ({"trainer": {"lr": 0}}, ("trainer", "lr")),
@@ -271,3 +272,54 @@ def test_json_file_is_the_api_body(tmp_path: Path) -> None:
     path.write_text('{"name": "j", "envs": [], "seed": "x"}')
     with pytest.raises(ValidationError):
         load_run_config(path)
+
+
+PLACED = {"ray": "local"}
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"placement": {"engines": 3}}, "set placement.ray"),
+        (
+            {
+                "placement": PLACED,
+                "model": {"path": "/ckpt"},
+                "engine": {"type": "sglang", "urls": ["http://s:1"]},
+            },
+            "engine actors start their SGLang servers",
+        ),
+        (
+            {
+                "placement": PLACED,
+                "model": {"path": "/ckpt"},
+                "engine": {"type": "sglang"},
+                "weights": {"sync": "nccl"},
+            },
+            "set weights.sync = 'disk'",
+        ),
+        (
+            {"placement": {**PLACED, "env_servers": 2}, "envs": [{"id": "my-registered-env"}]},
+            "serves built-in envs",
+        ),
+        ({"placement": {**PLACED, "sglang_command": ["x", "{nope}"]}}, "placeholders are"),
+        ({"placement": {**PLACED, "sglang_command": ["x", "--port", "9"]}}, "listen on {port}"),
+        ({"placement": {"ray": "two words"}}, "not a Ray address"),
+    ],
+)
+def test_placement_refusals_say_why(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        RunConfig.model_validate({**BASE, **patch})
+
+
+def test_a_placed_sglang_engine_needs_no_urls() -> None:
+    config = RunConfig.model_validate(
+        {
+            **BASE,
+            "placement": {**PLACED, "engines": 4, "engine_gpus": 2, "env_servers": 1},
+            "model": {"path": "/ckpt"},
+            "engine": {"type": "sglang"},
+        }
+    )
+    assert config.placement.engines == 4
+    assert RunConfig.model_validate(config.model_dump(mode="json")) == config
