@@ -75,6 +75,11 @@ async def all_episodes(api: AsyncClient, run_id: uuid.UUID) -> list[Any]:
         offset += 100
 
 
+async def ended(api: AsyncClient, run_id: uuid.UUID, n: int) -> bool:
+    """Whether at least `n` of the run's episodes have ended."""
+    return sum(e.status in TERMINAL for e in await all_episodes(api, run_id)) >= n
+
+
 async def test_engine_actors_route_by_session_and_take_weights(cluster: None) -> None:
     from agentflow.inference.factory import build_engine
 
@@ -114,11 +119,7 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
     pool = app.state.runtimes.get(run.id).engine
     assert isinstance(pool, RayEnginePool)
 
-    async def played(n: int) -> bool:
-        done = [e for e in await all_episodes(api, run.id) if e.status in TERMINAL]
-        return len(done) >= n
-
-    await until(lambda: played(6))
+    await until(lambda: ended(api, run.id, 6))
     victim = pool.engines()[0]
     assert isinstance(victim, RayEngine)
     ray.kill(victim.actor, no_restart=True)
@@ -130,7 +131,7 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
         return any(m["generation"] == 1 and m["steps"] > 0 for m in members)
 
     await until(replacement_served)
-    await until(lambda: played(30))
+    await until(lambda: ended(api, run.id, 30))
     await api.stop_run(run.id)
     await until(lambda: _status(api, run.id, "stopped"))
 
@@ -225,11 +226,7 @@ async def test_sglang_servers_started_by_engine_actors_die_with_them(
     urls = [await e.actor.server_url.remote() for e in pool.engines() if isinstance(e, RayEngine)]
     assert len(set(urls)) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
 
-    async def played(n: int) -> bool:
-        done = [e for e in await all_episodes(api, run.id) if e.status in TERMINAL]
-        return len(done) >= n
-
-    await until(lambda: played(4))
+    await until(lambda: ended(api, run.id, 4))
     victim = pool.engines()[0]
     assert isinstance(victim, RayEngine)
     url = await victim.actor.server_url.remote()
@@ -249,7 +246,7 @@ async def test_sglang_servers_started_by_engine_actors_die_with_them(
         return False
 
     await until(server_gone, timeout=30.0)  # the server went with its actor
-    await until(lambda: played(12))
+    await until(lambda: ended(api, run.id, 12))
     await api.stop_run(run.id)
     await until(lambda: _status(api, run.id, "stopped"))
     episodes = await all_episodes(api, run.id)
