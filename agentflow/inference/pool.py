@@ -94,6 +94,7 @@ class EnginePool:
         self._newest: WeightUpdate | None = None  # replayed into replacements
         self._paused: PauseMode | None = None
         self._live_changed: asyncio.Event | None = None
+        self._state: asyncio.Lock | None = None
         self._closed = False
         self._next = 0  # round-robin among equals
 
@@ -219,21 +220,31 @@ class EnginePool:
         answers = await asyncio.gather(*(one(s) for s in slots))
         return [a for a in answers if a is not None]
 
+    def _state_lock(self) -> asyncio.Lock:
+        """Held while the engines' shared state (weights, pause) changes, and while a
+        replacement is brought up to it: a replacement never joins mid-change."""
+        if self._state is None:
+            self._state = asyncio.Lock()
+        return self._state
+
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        self._paused = PauseMode(mode)
-        await self._each(lambda e: e.pause(mode))
+        async with self._state_lock():
+            self._paused = PauseMode(mode)
+            await self._each(lambda e: e.pause(mode))
 
     async def resume(self) -> None:
-        self._paused = None
-        await self._each(lambda e: e.resume())
+        async with self._state_lock():
+            self._paused = None
+            await self._each(lambda e: e.resume())
 
     async def update_weights(self, update: WeightUpdate) -> int:
-        version = next_weight_version(self._version, update)
-        named = update.model_copy(update={"version": version})
-        await self._each(lambda e: e.update_weights(named))
-        self._version = version
-        self._newest = named
-        return version
+        async with self._state_lock():
+            version = next_weight_version(self._version, update)
+            named = update.model_copy(update={"version": version})
+            await self._each(lambda e: e.update_weights(named))
+            self._version = version
+            self._newest = named
+            return version
 
     async def accepts_images(self) -> bool:
         slot = (await self._live_slots())[0]
@@ -328,7 +339,10 @@ class EnginePool:
         try:
             engine = await self._replace(slot.index, generation)
             try:
-                await self._bring_up_to_date(engine)
+                async with self._state_lock():
+                    await self._bring_up_to_date(engine)
+                    if not self._closed:
+                        slot.engine, slot.generation = engine, generation
             except BaseException:
                 with contextlib.suppress(Exception):
                     await engine.close()
@@ -342,13 +356,11 @@ class EnginePool:
         finally:
             slot.replacing = None
             self._changed().set()
-        if self._closed:
+        if slot.engine is not engine:  # the pool closed meanwhile
             with contextlib.suppress(Exception):
                 await engine.close()
             return
-        slot.engine, slot.generation = engine, generation
         self.counters.replaced += 1
-        self._changed().set()
         log.warning("engine %d replaced (generation %d)", slot.index, generation)
 
     async def _bring_up_to_date(self, engine: Engine) -> None:

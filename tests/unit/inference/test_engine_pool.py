@@ -229,3 +229,38 @@ async def test_a_session_is_opened_on_a_live_engine_when_the_chosen_one_died() -
     assert all(sid in members[1].engine._sessions for sid in sessions)
     assert pool.counters.lost == 1
     await pool.close()
+
+
+async def test_a_replacement_ready_during_an_update_joins_after_it() -> None:
+    """The replacement is brought up to date under the lock the update holds: it never
+    serves the weights an update in flight is replacing."""
+    held = asyncio.Event()
+    release = asyncio.Event()
+
+    class SlowUpdate(Mortal):
+        async def update_weights(self, update: WeightUpdate) -> int:
+            held.set()
+            await release.wait()
+            return await self.engine.update_weights(update)
+
+    members = [member(), SlowUpdate(LocalEngine.from_init(TINY, seed=0, max_batch_size=8))]
+    built: list[Mortal] = []
+
+    async def replace(index: int, generation: int) -> Engine:
+        built.append(member())
+        return built[-1]  # type: ignore[return-value]
+
+    pool = EnginePool(as_engines(members), replace=replace)
+    state = build_model(TINY, seed=1).state_dict()
+    members[0].kill()
+    update = asyncio.create_task(pool.update_weights(WeightUpdate(state_dict=state)))
+    await held.wait()  # the update is in flight; member 0's death shows up now
+    assert pool.counters.lost == 1
+    await wait_for(lambda: bool(built))
+    await asyncio.sleep(0.05)
+    assert pool.counters.replaced == 0  # built, but waiting for the update to end
+    release.set()
+    assert await update == 1
+    await wait_for(lambda: pool.counters.replaced == 1)
+    assert built[0].engine.weight_version == 1
+    await pool.close()
