@@ -252,3 +252,31 @@ async def test_sglang_servers_started_by_engine_actors_die_with_them(
     episodes = await all_episodes(api, run.id)
     assert {e.status for e in episodes} <= TERMINAL
     assert not [e.error for e in episodes if e.status == "failed"]
+
+
+async def test_an_env_server_actor_runs_the_envs_sandboxes(cluster: None) -> None:
+    """A sandboxed tool env served by an actor: the tool's bubblewrap sandbox runs in
+    the actor's process, on its node, within its CPUs."""
+    from agentflow.placement.env_servers import place_env_servers
+    from agentflow.rollout.envs import EnvSource
+    from envs.base import TextAction
+
+    config = RunConfig.model_validate(
+        {
+            **run_config(env_servers=1, env_cpus=0.5),
+            "envs": [{"id": "agentflow/calc-tool-v0"}],
+        }
+    )
+    source = EnvSource(
+        ref="agentflow/calc-tool-v0", weight=1.0, max_concurrency=4, step_timeout_s=None
+    )
+    servers = await place_env_servers(config, [source])
+    try:
+        (placed,) = servers.sources([source])
+        env = placed.make()
+        await env.reset(seed=3)
+        result = await env.step(TextAction(text="python(print(6 * 7))"))
+        assert "42" in result.observation.messages[-1].content
+        await env.close()
+    finally:
+        await servers.close()
