@@ -43,7 +43,9 @@ def connect(address: str, *, num_cpus: float | None = None, object_store_mb: int
             "configure_logging": False,
         }
         if address == "local":
-            cpus = max(float(os.cpu_count() or 1), num_cpus or 0.0)
+            # Logical CPUs are bookkeeping on one machine: four per core (or what the run
+            # asks for, if more), so a gateway can place several runs side by side.
+            cpus = max(4.0 * (os.cpu_count() or 1), num_cpus or 0.0)
             ray.init(
                 address="local",  # a new cluster, never one `ray start` left running here
                 num_cpus=int(cpus + 0.999),

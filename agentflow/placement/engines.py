@@ -33,6 +33,7 @@ from agentflow.run_config import PlacementConfig, RunConfig, SGLangEngineConfig
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # building an engine loads its model
+_GROUP_TIMEOUT_S = 120.0  # the cluster's room for the engines (an autoscaler may add it)
 _CLOSE_TIMEOUT_S = 30.0
 
 
@@ -260,12 +261,13 @@ def place_engines(config: RunConfig) -> tuple[RayEnginePool, int]:
     )
     group = ray.util.placement_group(engine_bundles(placement), strategy=placement.strategy)
     try:
-        ray.get(group.ready(), timeout=_READY_TIMEOUT_S)
+        ray.get(group.ready(), timeout=_GROUP_TIMEOUT_S)
     except Exception as exc:
         ray.util.remove_placement_group(group)
         raise EngineUnavailable(
             f"the cluster cannot hold {placement.engines} engine actors "
-            f"({engine_bundles(placement)[0]} each, {placement.strategy}): {exc}"
+            f"({engine_bundles(placement)[0]} each, {placement.strategy}; it has "
+            f"{ray.available_resources()} free): {type(exc).__name__}"
         ) from None
 
     async def start_all() -> list[RayEngine]:

@@ -280,3 +280,16 @@ async def test_an_env_server_actor_runs_the_envs_sandboxes(cluster: None) -> Non
         await env.close()
     finally:
         await servers.close()
+
+
+async def test_engines_the_cluster_cannot_hold_are_refused_saying_so(
+    cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentflow.errors import EngineUnavailable
+    from agentflow.inference.factory import build_engine
+    from agentflow.placement import engines
+
+    monkeypatch.setattr(engines, "_GROUP_TIMEOUT_S", 2.0)
+    config = RunConfig.model_validate(run_config(engine_gpus=1))  # a cluster with no GPU
+    with pytest.raises(EngineUnavailable, match="cannot hold 2 engine actors"):
+        await asyncio.to_thread(build_engine, config)
