@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 RunState = Literal["running", "paused", "stopped", "finished", "failed"]
 
+_COMPLETE_ATTEMPTS = 5  # writing an episode's end: 0.5 + 1 + 2 + 4 s between tries
+_COMPLETE_RETRY_S = 0.5
+
 
 @dataclass
 class RunCounters:
@@ -407,27 +410,52 @@ class RunExecutor:
             counters.last_error = outcome.error
         elif outcome.status in ("completed", "truncated"):
             counters.consecutive_failures = 0
-        made = 0
-        try:
-            made = len(
-                await self.turns.complete_episode(
-                    episode_id,
-                    outcome.status,
-                    outcome.reward,
-                    leaf_turn_ids=outcome.leaf_turn_ids,
-                    leaf_rewards=outcome.leaf_rewards,
-                    error=outcome.error,
-                )
-            )
-        except Conflict:  # finished by a black-box callback
-            made = await self.runs.trajectory_count(episode_id)
-        except Exception:  # noqa: BLE001 - logged; recovery aborts it on the next start
-            log.exception("could not complete episode %s", episode_id)
+        made = await self._record_outcome(episode_id, outcome)
         limit = self.config.rollout.max_consecutive_failures
         if counters.consecutive_failures >= limit and self.state in ("running", "paused"):
             reason = f"{limit} episodes failed in a row; last: {counters.last_error}"
             asyncio.get_running_loop().create_task(self._end("failed", reason))
         return made
+
+    async def _record_outcome(self, episode_id: uuid.UUID, outcome: EpisodeOutcome) -> int:
+        """Write the episode's end; returns how many trajectories it made. A write that
+        fails (a database that is briefly unreachable, a connection pool exhausted under
+        load) is tried again with backoff: an episode left `running` would hold back its
+        group from the trainer for the rest of the run."""
+        delay = _COMPLETE_RETRY_S
+        for attempt in range(1, _COMPLETE_ATTEMPTS + 1):
+            try:
+                return len(
+                    await self.turns.complete_episode(
+                        episode_id,
+                        outcome.status,
+                        outcome.reward,
+                        leaf_turn_ids=outcome.leaf_turn_ids,
+                        leaf_rewards=outcome.leaf_rewards,
+                        error=outcome.error,
+                    )
+                )
+            except Conflict:  # finished already: a black-box callback, or our lost answer
+                return await self.runs.trajectory_count(episode_id)
+            except Exception as exc:  # noqa: BLE001 - tried again, then logged
+                if attempt == _COMPLETE_ATTEMPTS:
+                    log.exception(
+                        "could not complete episode %s in %d attempts; recovery aborts it "
+                        "on the next start",
+                        episode_id,
+                        attempt,
+                    )
+                    return 0
+                log.warning(
+                    "completing episode %s failed (%s: %s); trying again in %.1f s",
+                    episode_id,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
 
     # ---- ending ---------------------------------------------------------------------
 

@@ -255,3 +255,34 @@ async def test_a_run_whose_newest_weights_are_gone_fails_with_that_reason(
             error = (await client.get_run(run_id)).error or ""
             assert "version 2" in error and "no longer at" in error, error
             assert run_id not in app.state.runtimes
+
+
+async def test_an_episode_end_that_fails_to_write_is_written_again(
+    gateway: tuple[AsyncClient, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A briefly failing database (here: the first two writes of an episode's end raise,
+    as a connection pool that timed out does) costs retries, not a dangling episode."""
+    from agentflow.db.turn_tree import TurnTree
+    from agentflow.rollout import executor
+
+    monkeypatch.setattr(executor, "_COMPLETE_RETRY_S", 0.01)
+    real = TurnTree.complete_episode
+    failures = [OSError("pool timeout"), OSError("pool timeout")]
+
+    async def flaky(self: TurnTree, *args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TurnTree, "complete_episode", flaky)
+    api, _ = gateway
+    run = await api.create_run(_config("agentflow/guess-number-v0", max_episodes=4))
+
+    async def finished() -> bool:
+        return (await api.get_run(run.id)).status == "finished"
+
+    await _until(finished)
+    assert not failures
+    episodes = (await api.list_run_episodes(run.id)).items
+    assert len(episodes) == 4
+    assert {e.status for e in episodes} <= {"completed", "truncated"}
