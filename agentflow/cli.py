@@ -75,6 +75,7 @@ def serve(
     from agentflow.db.session import create_engine
 
     settings = get_settings()
+    settings.apply_gc_threshold()
 
     async def check() -> None:
         engine = create_engine(settings.database_url)
@@ -344,6 +345,9 @@ def train(
     if seed is not None:
         name = f"{run_config.name}-seed{seed}"
         run_config = run_config.model_copy(update={"seed": seed, "name": name})
+    from agentflow.config import Settings
+
+    Settings().apply_gc_threshold()  # this process is the run's gateway
     placed = ray is not None or bool(run_config.placement.ray)
     if database_url is not None and not placed:
         raise _fail(InvalidInput("--database-url is for a run placed with --ray", field="ray"))

@@ -70,6 +70,33 @@ class Settings(BaseSettings):
         "database file",
     )
 
+    gc_threshold: str = Field(
+        default="100000,50,100",
+        description="the cyclic garbage collector's thresholds (`gc.set_threshold`) for "
+        "`agentflow serve` and `agentflow train`; empty: Python's own (700,10,10). With "
+        "thousands of live episodes Python's own spend half the gateway's CPU in "
+        'collections (docs/performance.md, "The controller at scale")',
+    )
+
+    @field_validator("gc_threshold")
+    @classmethod
+    def _three_thresholds(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            return value
+        parts = value.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError("three non-negative integers, comma-separated, or empty")
+        return ",".join(p.strip() for p in parts)
+
+    def apply_gc_threshold(self) -> None:
+        """Set this process's collector thresholds as `gc_threshold` says."""
+        import gc
+
+        if self.gc_threshold:
+            first, second, third = (int(p) for p in self.gc_threshold.split(","))
+            gc.set_threshold(first, second, third)
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:

@@ -53,3 +53,20 @@ def test_production_needs_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings(environment="production", api_key="k")
     settings = Settings(environment="production", api_key="k", secret_key="s" * 32)
     assert settings.api_key == "k"
+
+
+def test_the_gc_threshold_is_three_integers_or_python_s_own() -> None:
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        Settings(gc_threshold=" 5000, 20 ,30").apply_gc_threshold()
+        assert gc.get_threshold() == (5000, 20, 30)
+        gc.set_threshold(*before)
+        Settings(gc_threshold="").apply_gc_threshold()
+        assert gc.get_threshold() == before  # empty leaves Python's own
+    finally:
+        gc.set_threshold(*before)
+    for bad in ("1,2", "a,b,c", "1,2,-3"):
+        with pytest.raises(ValidationError, match="three non-negative integers"):
+            Settings(gc_threshold=bad)
