@@ -54,6 +54,7 @@ class _Slot:
     engine: Engine | None
     generation: int = 0
     sessions: set[str] = field(default_factory=set)
+    opening: int = 0  # sessions being opened
     in_flight: int = 0
     replacing: asyncio.Task[None] | None = None
 
@@ -139,13 +140,16 @@ class EnginePool:
     async def open_session(self, session_id: str | None = None) -> str:
         # A session that could not be opened does not exist yet: try the next engine.
         for _ in range(len(self._slots)):
-            slot = self._least(await self._live_slots(), lambda s: len(s.sessions))
+            slot = self._least(await self._live_slots(), lambda s: len(s.sessions) + s.opening)
             engine = self._engine(slot)
+            slot.opening += 1  # counted at once: a burst of opens spreads over the engines
             try:
                 sid = await engine.open_session(session_id)
             except EngineLost as exc:
                 error = self._lost(slot, engine, exc)
                 continue
+            finally:
+                slot.opening -= 1
             slot.sessions.add(sid)
             self._session_slot[sid] = slot
             return sid

@@ -39,6 +39,7 @@ class Mortal:
         method = getattr(self.engine, name)
 
         async def call(*args: object, **kwargs: object) -> object:
+            await asyncio.sleep(0)  # a call crosses a process boundary: others run meanwhile
             if self.dead:
                 raise EngineLost("the engine process exited")
             return await method(*args, **kwargs)
@@ -263,4 +264,15 @@ async def test_a_replacement_ready_during_an_update_joins_after_it() -> None:
     assert await update == 1
     await wait_for(lambda: pool.counters.replaced == 1)
     assert built[0].engine.weight_version == 1
+    await pool.close()
+
+
+async def test_a_burst_of_sessions_spreads_over_unequal_engines() -> None:
+    members = [member(), member()]
+    pool = EnginePool(as_engines(members))
+    for _ in range(4):  # engine 0 holds four, engine 1 none
+        await members[0].engine.open_session(None)
+    pool._slots[0].sessions.update(members[0].engine._sessions)
+    await asyncio.gather(*(pool.open_session() for _ in range(8)))
+    assert [len(m.engine._sessions) for m in members] == [6, 6]
     await pool.close()
