@@ -33,6 +33,11 @@ def main(out: Path, tp: int, families: list[str]) -> None:
     for family in families:
         check(out, family, tp)
     loss_check(out)
+    # Both ranks are done before either tears down: a rank that exits while the other's
+    # gloo threads still talk to it can abort that rank ("terminate called without an
+    # active exception"), and megatron's own groups go before the default one.
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
