@@ -880,19 +880,23 @@ def main() -> None:
     def say(line: str) -> None:
         print("  " + line, flush=True)
 
-    results: list[LevelResult] = []
-    for level in [] if args.skip_levels else levels:
+    def measure(level: int, seconds: float, profile: cProfile.Profile | None = None) -> LevelResult:
         with database(args.database_url) as url:
-            result = run(
+            return run(
                 level,
                 workload,
                 url,
                 warmup_s=args.warmup,
-                seconds=args.seconds,
+                seconds=seconds,
                 max_warmup_s=args.max_warmup,
                 loop=args.loop,
+                profile=profile,
                 progress=say,
             )
+
+    results: list[LevelResult] = []
+    for level in [] if args.skip_levels else levels:
+        result = measure(level, args.seconds)
         results.append(result)
         say(
             f"level {level}: {result.turns_per_s:,.0f} turns/s, {result.cores:.2f} cores, "
@@ -912,18 +916,7 @@ def main() -> None:
         level = args.profile_level or max(levels)
         # CPU time, not wall time: the idle loop's waits are not anyone's cost.
         profile = cProfile.Profile(time.process_time)
-        with database(args.database_url) as url:
-            result = run(
-                level,
-                workload,
-                url,
-                warmup_s=args.warmup,
-                seconds=args.profile_seconds,
-                max_warmup_s=args.max_warmup,
-                loop=args.loop,
-                profile=profile,
-                progress=say,
-            )
+        result = measure(level, args.profile_seconds, profile)
         print(
             f"\nprofile of {level:,} concurrent episodes, {args.profile_seconds:.0f} s "
             f"(under cProfile: {result.turns_per_s:,.0f} turns/s, {result.cores:.2f} cores); "

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import socket
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -42,6 +41,7 @@ from agentflow.inference.base import (
     WeightGroup,
     WeightUpdate,
 )
+from agentflow.ports import free_port
 from trainer.weights import SyncReport, TargetReport, WeightSyncError, target_name, unique_tensors
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class BroadcastPublisher:
         ranks = [await t.weight_group_ranks() for t in self.targets]
         world = 1 + sum(ranks)
         name = f"agentflow-weights-{os.getpid()}-{next(_groups)}"
-        port = self.settings.master_port or _free_port(self.settings.master_address)
+        port = self.settings.master_port or free_port(self.settings.master_address)
         groups, offset = [], 1
         for count in ranks:
             groups.append(
@@ -233,9 +233,3 @@ def _describe(named: list[tuple[str, torch.Tensor]]) -> TensorBucket:
         dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
         shapes=[list(t.shape) for _, t in named],
     )
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])

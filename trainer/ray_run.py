@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from agentflow.errors import AgentFlowError, InvalidInput
+from agentflow.ports import free_port
 from agentflow.run_config import RunConfig
 
 _TRAINER_READY_S = 600.0
@@ -131,7 +131,7 @@ async def _serve_and_train(config: RunConfig, url: str) -> dict[str, Any]:
     from agentflow.placement.cluster import LOOPBACK, node_address
 
     host = LOOPBACK if config.placement.ray == "local" else node_address()
-    port = _free_port(host)
+    port = free_port(host)
     settings = Settings(database_url=url, public_url=f"http://{host}:{port}")
     app = create_app(settings)
     async with LoopServer(app, host, port):
@@ -217,7 +217,7 @@ async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, A
     try:
         from trainer import ranks
 
-        master = (host, _free_port(host)) if ranks.needs_ranks(config) else None
+        master = (host, free_port(host)) if ranks.needs_ranks(config) else None
         for rank in range(world):
             options = {
                 "num_cpus": placement.trainer_cpus,
@@ -240,9 +240,3 @@ async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, A
         for actor in actors:
             ray.kill(actor, no_restart=True)
         ray.util.remove_placement_group(group)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])

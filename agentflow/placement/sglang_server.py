@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import time
 import httpx
 
 from agentflow.errors import EngineUnavailable
+from agentflow.ports import free_port
 from agentflow.run_config import RunConfig
 from envs.desktop.processes import die_with
 
@@ -52,7 +52,7 @@ class SGLangServer:
         self.url = ""
 
     def start(self) -> str:
-        port = _free_port(self.host)
+        port = free_port(self.host)
         argv = server_argv(self.config, self.host, port)
         log.info("starting an SGLang server: %s", " ".join(argv))
         # Killed with this process, however it ends: a killed actor never leaves a server
@@ -105,9 +105,3 @@ class SGLangServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
