@@ -39,7 +39,6 @@ from envs import registry  # noqa: E402
 from envs.browser.miniwob import make_env  # noqa: E402
 from envs.browser.pool import BrowserPool  # noqa: E402
 
-SHOTS = True
 TASKS = ("click-button", "click-link", "click-option", "enter-text", "click-checkboxes")
 
 
@@ -52,9 +51,9 @@ class Timings:
 
 
 async def episode(
-    task: str, seed: int, pool: BrowserPool, timings: Timings, *, recycle: bool
+    task: str, seed: int, pool: BrowserPool, timings: Timings, *, recycle: bool, shots: bool
 ) -> None:
-    env = make_env(task, pool=pool, screenshots=SHOTS, recycle_pages=recycle)
+    env = make_env(task, pool=pool, screenshots=shots, recycle_pages=recycle)
     oracle = registry.oracle(f"miniwob/{task}-v0")
     try:
         started = time.perf_counter()
@@ -73,19 +72,19 @@ async def episode(
         await env.close()
 
 
-async def warm(episodes: int, concurrency: int, *, recycle: bool) -> Timings:
+async def warm(episodes: int, concurrency: int, *, recycle: bool, shots: bool) -> Timings:
     timings = Timings()
     pool = BrowserPool(size=1 if concurrency == 1 else 2)
     gate = asyncio.Semaphore(concurrency)
     # The pool's browser and each task's first spare (or page to recycle) are made before
     # the clock starts: a gateway keeps them warm between episodes.
     for task in TASKS:
-        await episode(task, 10_000, pool, Timings(), recycle=recycle)
+        await episode(task, 10_000, pool, Timings(), recycle=recycle, shots=shots)
     await asyncio.sleep(1.0)
 
     async def one(i: int) -> None:
         async with gate:
-            await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=recycle)
+            await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=recycle, shots=shots)
 
     started = time.perf_counter()
     try:
@@ -96,7 +95,7 @@ async def warm(episodes: int, concurrency: int, *, recycle: bool) -> Timings:
     return timings
 
 
-async def cold(episodes: int, concurrency: int) -> Timings:
+async def cold(episodes: int, concurrency: int, *, shots: bool) -> Timings:
     from playwright.async_api import async_playwright
 
     timings = Timings()
@@ -107,7 +106,7 @@ async def cold(episodes: int, concurrency: int) -> Timings:
         async with gate:
             pool = BrowserPool(size=1, spares=0, idle_close_s=None, playwright=driver)
             try:
-                await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=False)
+                await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=False, shots=shots)
             finally:
                 await pool.aclose()
 
@@ -136,23 +135,49 @@ def report(name: str, t: Timings, episodes: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--episodes", type=int, default=40, help="per warm/fresh run")
     parser.add_argument("--cold-episodes", type=int, default=10)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="episodes at once (several: one run each)",
+    )
+    parser.add_argument(
+        "--screenshots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a PNG screenshot in each observation (the examples/miniwob.toml agent reads text)",
+    )
     args = parser.parse_args()
-    warm_t = asyncio.run(warm(args.episodes, args.concurrency, recycle=True))
-    fresh_t = asyncio.run(warm(args.episodes, args.concurrency, recycle=False))
-    cold_t = asyncio.run(cold(args.cold_episodes, args.concurrency))
-    print(f"MiniWoB++ {', '.join(TASKS)}; concurrency {args.concurrency}; screenshots on")
-    warm_rate = report("warm", warm_t, args.episodes)
-    fresh_rate = report("fresh", fresh_t, args.episodes)
-    cold_rate = report("cold", cold_t, args.cold_episodes)
-    for name, t, rate in (("warm", warm_t, warm_rate), ("fresh", fresh_t, fresh_rate)):
-        reset_ratio = statistics.median(cold_t.resets) / statistics.median(t.resets)
+    shots = args.screenshots
+    rows = []
+    for concurrency in args.concurrency:
+        warm_t = asyncio.run(warm(args.episodes, concurrency, recycle=True, shots=shots))
+        fresh_t = asyncio.run(warm(args.episodes, concurrency, recycle=False, shots=shots))
+        cold_t = asyncio.run(cold(args.cold_episodes, concurrency, shots=shots))
         print(
-            f"ratio {name}/cold: reset p50 {reset_ratio:.1f}x faster"
-            f", episodes/s {rate / cold_rate:.1f}x"
+            f"MiniWoB++ {', '.join(TASKS)}; concurrency {concurrency};"
+            f" screenshots {'on' if shots else 'off'}"
         )
+        warm_rate = report("warm", warm_t, args.episodes)
+        fresh_rate = report("fresh", fresh_t, args.episodes)
+        cold_rate = report("cold", cold_t, args.cold_episodes)
+        for name, t, rate in (("warm", warm_t, warm_rate), ("fresh", fresh_t, fresh_rate)):
+            reset_ratio = statistics.median(cold_t.resets) / statistics.median(t.resets)
+            print(
+                f"ratio {name}/cold: reset p50 {reset_ratio:.1f}x faster"
+                f", episodes/s {rate / cold_rate:.1f}x"
+            )
+        rows.append((concurrency, warm_rate, fresh_rate, cold_rate))
+    if len(rows) > 1:
+        print("concurrency | warm eps/s | fresh eps/s | cold eps/s | warm/cold")
+        for concurrency, warm_rate, fresh_rate, cold_rate in rows:
+            print(
+                f"{concurrency:11d} | {warm_rate:10.2f} | {fresh_rate:11.2f} | {cold_rate:10.2f}"
+                f" | {warm_rate / cold_rate:8.1f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from envs.browser.axtree import (
     unmark_bids,
 )
 from envs.browser.perform import Tabs, perform
+from envs.browser.pointer import Pointer
 from envs.browser.pool import BrowserPool, Lease, shared_pool
 from envs.browser.task import BrowserTask, TaskStatus
 
@@ -114,7 +115,9 @@ class BrowserEnv:
             viewport={"width": width, "height": height},
         )
         page = self._lease.page
-        self._tabs = Tabs(self._lease.context, page, self.viewport, self.action_timeout_ms)
+        self._tabs = Tabs(
+            self._lease.context, page, self.viewport, self.action_timeout_ms, _pointer
+        )
         self._goal, self._cdp = await asyncio.gather(
             self.task.setup(page, 0 if seed is None else seed),
             _cdp_session(self._lease.context, page),
@@ -197,11 +200,18 @@ class BrowserEnv:
         assert self._tabs is not None and self._lease is not None
         tabs, page = self._tabs, self._tabs.active
         cdp = await self._cdp_for(page)
-        marks = await mark_bids(page, self.task.chrome_selectors)
-        scored = self.task.status(self._lease.page) if score else _unscored()
-        (document, ax), image, verdict = await asyncio.gather(
-            asyncio.gather(*tree_requests(cdp)), self._screenshot(cdp), scored
-        )
+        # The screenshot waits for the next frame; it is asked for first, so the bids are
+        # marked and the trees read while the frame is drawn (the bids change no pixel).
+        shot = asyncio.ensure_future(self._screenshot(cdp))
+        try:
+            marks = await mark_bids(page, self.task.chrome_selectors)
+            scored = self.task.status(self._lease.page) if score else _unscored()
+            (document, ax), verdict = await asyncio.gather(
+                asyncio.gather(*tree_requests(cdp)), scored
+            )
+            image = await shot
+        finally:
+            shot.cancel()
         tree = build_tree(document, ax, marks.focused_bid)
         view = compact(tree, exclude=marks.chrome, max_chars=self.compact_chars)
         self._done = verdict.done
@@ -251,13 +261,14 @@ class BrowserEnv:
         if not await self.task.recycle(page):
             return False
         await unmark_bids(page)
-        await page.mouse.move(0, 0)
+        await (await _pointer(page)).move(0, 0)
         return True
 
 
-# One CDP session per page for as long as the page lives: a recycled page keeps its
-# session instead of opening one more per episode.
+# One CDP session and one pointer per page for as long as the page lives: a recycled
+# page keeps them instead of opening one more per episode.
 _SESSIONS: weakref.WeakKeyDictionary[Page, CDPSession] = weakref.WeakKeyDictionary()
+_POINTERS: weakref.WeakKeyDictionary[Page, Pointer] = weakref.WeakKeyDictionary()
 
 
 async def _cdp_session(context: BrowserContext, page: Page) -> CDPSession:
@@ -265,6 +276,13 @@ async def _cdp_session(context: BrowserContext, page: Page) -> CDPSession:
     if session is None:
         session = _SESSIONS[page] = await context.new_cdp_session(page)
     return session
+
+
+async def _pointer(page: Page) -> Pointer:
+    pointer = _POINTERS.get(page)
+    if pointer is None:
+        pointer = _POINTERS[page] = Pointer(await _cdp_session(page.context, page))
+    return pointer
 
 
 async def _unscored() -> TaskStatus:

@@ -10,8 +10,9 @@ episode after episode by design) gives its context back when it ends, if the epi
 left just its one page and `recycle(page)` puts that page back the way `prepare` leaves
 it; the key's next lease takes it instead of loading the page again. That turns the
 per-episode cost from a context and a page load (~0.2 s of CPU) into one call into the
-page. Nothing else is ever reused: a context whose agent opened a tab, navigated away,
-or whose recycle fails is closed.
+page, run in the background after the episode (the key's next lease waits for it only
+when no other context is ready). Nothing else is ever reused: a context whose agent
+opened a tab, navigated away, or whose recycle fails is closed.
 
 Resets stay fast because contexts are prepared ahead: an env names a preparation (a
 `prepare(context) -> Page` coroutine, e.g. routes set and the task page loaded) under a
@@ -41,7 +42,7 @@ import asyncio
 import contextlib
 import os
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,37 +73,45 @@ class Lease:
         """Recycle the context for the key's next lease when the lease's `recycle`
         allows, else close it; with `wait=False` the close runs in the background (a
         reset need not wait for the last episode's context to go; `pool.aclose()` still
-        does). Recycling is one short call into the page, always awaited."""
+        does). A recycle always runs in the background: it is a short call into the page
+        that may wait for a frame, and a context kept for the next episode holds nothing
+        the caller waits to see gone; the key's next lease that finds no ready context
+        waits for it rather than preparing another (a failed recycle closes the
+        context)."""
         if self.closed:
             return
         self.closed = True
         self.pool._active[self.key] -= 1
-        if self.recycle is not None and await self._recycled(self.recycle):
+        if self.recycle is not None and self._recyclable():
+            self.pool._track_recycle(self.key, self._recycle_or_close(self.recycle))
             return
         if wait:
             await self._close_context()
         else:
             self.pool._track(asyncio.get_running_loop().create_task(self._close_context()))
 
-    async def _recycled(self, recycle: Recycle) -> bool:
-        """Whether the context went back to the pool's ready ones for this key: only a
-        live one with just its own page left, while the key keeps fewer than it uses."""
+    def _recyclable(self) -> bool:
+        """Whether the context may go back to the pool's ready ones for this key: a live
+        one with just its own page left, while the key keeps fewer than it uses."""
         pool, browser = self.pool, self.slot.browser
         if pool._closed or len(pool._ready[self.key]) >= pool._keep(self.key):
             return False
         if browser is None or not browser.is_connected() or self.context.pages != [self.page]:
             return False  # a tab the agent opened, a crash: start the next one clean
+        return True
+
+    async def _recycle_or_close(self, recycle: Recycle) -> None:
         try:
-            if not await recycle(self.page):
-                return False
+            recycled = await recycle(self.page)
         except Exception:  # noqa: BLE001 - a page that cannot be recycled is closed instead
-            return False
-        if pool._closed:
-            return False
+            recycled = False
+        pool = self.pool
+        if not recycled or pool._closed or len(pool._ready[self.key]) >= pool._keep(self.key):
+            await self._close_context()
+            return
         pool._ready[self.key].append((self.context, self.page, self.slot))
         pool.recycled += 1
         pool._release(self.slot, context_kept=True)
-        return True
 
     async def _close_context(self) -> None:
         try:
@@ -152,6 +161,7 @@ class BrowserPool:
         self._ready: dict[str, list[tuple[BrowserContext, Page, _Slot]]] = defaultdict(list)
         self._preparing: dict[asyncio.Task[None], str] = {}  # spares being made, by key
         self._closing: set[asyncio.Task[None]] = set()
+        self._recycling: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
         self._active: Counter[str] = Counter()  # open leases by key
         self._open = 0  # leases handed out and not yet released
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -181,6 +191,9 @@ class BrowserPool:
             if self._idle_close is not None and not self._idle_close.done():
                 await asyncio.shield(self._idle_close)  # let it finish; start afresh
             spare = self._take_spare(key)
+            if spare is None and self._recycling[key]:  # one is about to be ready
+                await asyncio.wait(set(self._recycling[key]), return_when=asyncio.FIRST_COMPLETED)
+                spare = self._take_spare(key)
             if spare is None:
                 slot = await self._pick_slot()
                 context, page = await self._prepare(slot, prepare, context_options)
@@ -268,6 +281,12 @@ class BrowserPool:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    def _track_recycle(self, key: str, recycling: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(recycling)
+        self._track(task)
+        self._recycling[key].add(task)
+        task.add_done_callback(self._recycling[key].discard)
+
     def _keep(self, key: str) -> int:
         """Ready contexts worth keeping for a key, asked as one of its leases ends: one
         for each episode it had open, this one included (each may reset soon), at least
@@ -328,6 +347,12 @@ class BrowserPool:
             with contextlib.suppress(BaseException):
                 await self._idle_close
         await self._shutdown()
+
+    async def settle(self) -> None:
+        """Wait for the recycles in flight: the ended leases' contexts are then ready (or
+        closed). A caller that wants its next lease to get the last one's page."""
+        while tasks := {t for pending in self._recycling.values() for t in pending}:
+            await asyncio.wait(tasks)
 
     def spares_ready(self, key: str) -> int:
         return len(self._ready.get(key, ()))

@@ -49,6 +49,8 @@ async def test_a_recycled_page_reads_as_a_fresh_one(pool: BrowserPool, task: str
         assert recycled._lease is not None
         page = recycled._lease.page
         before = pool.recycled
+        await recycled._end_episode(wait=True)
+        await pool.settle()  # the recycle runs in the background; the reset takes its page
         again = await recycled.reset(seed=12)
         assert pool.recycled == before + 1 and recycled._lease.page is page
         loaded = await fresh.reset(seed=12)
@@ -67,6 +69,8 @@ async def test_storage_and_cookies_do_not_survive_a_recycle(pool: BrowserPool) -
         assert env._tabs is not None
         await env._tabs.active.evaluate("() => { localStorage.k = 'v'; document.cookie = 'c=1'; }")
         context = env._lease.context if env._lease else None
+        await env._end_episode(wait=True)
+        await pool.settle()
         await env.reset(seed=1)
         assert env._lease is not None and env._lease.context is context  # recycled
         seen = await env._tabs.active.evaluate("() => [localStorage.k ?? null, document.cookie]")
