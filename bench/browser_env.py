@@ -48,6 +48,7 @@ class Timings:
     steps: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    prepared: int = 0  # contexts made (a page load each) while the clock ran
 
 
 async def episode(
@@ -76,21 +77,24 @@ async def warm(episodes: int, concurrency: int, *, recycle: bool, shots: bool) -
     timings = Timings()
     pool = BrowserPool(size=1 if concurrency == 1 else 2)
     gate = asyncio.Semaphore(concurrency)
-    # The pool's browser and each task's first spare (or page to recycle) are made before
-    # the clock starts: a gateway keeps them warm between episodes.
-    for task in TASKS:
-        await episode(task, 10_000, pool, Timings(), recycle=recycle, shots=shots)
-    await asyncio.sleep(1.0)
 
-    async def one(i: int) -> None:
+    async def one(i: int, into: Timings) -> None:
         async with gate:
-            await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=recycle, shots=shots)
+            await episode(TASKS[i % len(TASKS)], i, pool, into, recycle=recycle, shots=shots)
 
+    # The pool's browsers and the contexts this load keeps (each task's pages to recycle
+    # and its spares) are made before the clock starts, by the same load at the same
+    # concurrency: a gateway keeps them warm between episodes.
+    warmup = len(TASKS) * concurrency
+    await asyncio.gather(*(one(10_000 + i, Timings()) for i in range(warmup)))
+    await asyncio.sleep(1.0)
+    prepared = pool.prepared
     started = time.perf_counter()
     try:
-        await asyncio.gather(*(one(i) for i in range(episodes)))
+        await asyncio.gather(*(one(i, timings) for i in range(episodes)))
     finally:
         timings.seconds = time.perf_counter() - started
+        timings.prepared = pool.prepared - prepared
         await pool.aclose()
     return timings
 
@@ -108,6 +112,7 @@ async def cold(episodes: int, concurrency: int, *, shots: bool) -> Timings:
             try:
                 await episode(TASKS[i % len(TASKS)], i, pool, timings, recycle=False, shots=shots)
             finally:
+                timings.prepared += pool.prepared
                 await pool.aclose()
 
     started = time.perf_counter()
@@ -129,6 +134,7 @@ def report(name: str, t: Timings, episodes: int) -> float:
         f"{name:5s} reset p50 {statistics.median(t.resets):.3f} s p90 {_q(t.resets, 0.9):.3f} s"
         f" | step p50 {statistics.median(t.steps):.3f} s p90 {_q(t.steps, 0.9):.3f} s"
         f" | {rate:.2f} episodes/s | success {sum(t.rewards) / len(t.rewards):.2f}"
+        f" | contexts made {t.prepared}"
     )
     return rate
 

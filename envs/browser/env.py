@@ -47,16 +47,17 @@ from envs.browser.axtree import (
     compact,
     flatten,
     mark_bids,
-    tree_requests,
+    read_trees,
     unmark_bids,
 )
+from envs.browser.cdp import Cdp, session_for
 from envs.browser.perform import Tabs, perform
 from envs.browser.pointer import Pointer
 from envs.browser.pool import BrowserPool, Lease, shared_pool
 from envs.browser.task import BrowserTask, TaskStatus
 
 if TYPE_CHECKING:
-    from playwright.async_api import BrowserContext, CDPSession, Page
+    from playwright.async_api import Page
 
     from envs.specs import BrowserEnvSpec
 
@@ -90,7 +91,7 @@ class BrowserEnv:
         self.goto_policy = GotoPolicy.only(task.allowed_urls)
         self._lease: Lease | None = None
         self._tabs: Tabs | None = None
-        self._cdp: CDPSession | None = None
+        self._cdp: Cdp | None = None
         self._cdp_page: Page | None = None
         self._goal = ""
         self._steps = 0
@@ -120,7 +121,7 @@ class BrowserEnv:
         )
         self._goal, self._cdp = await asyncio.gather(
             self.task.setup(page, 0 if seed is None else seed),
-            _cdp_session(self._lease.context, page),
+            session_for(page),
         )
         self._cdp_page = page
         self._steps, self._done, self._error = 0, False, None
@@ -187,10 +188,10 @@ class BrowserEnv:
             return _short(f"{text.strip()[:60]} failed: {exc.message.splitlines()[0]}")
         return None
 
-    async def _cdp_for(self, page: Page) -> CDPSession:
+    async def _cdp_for(self, page: Page) -> Cdp:
         assert self._lease is not None
         if self._cdp is None or self._cdp_page is not page:
-            self._cdp = await _cdp_session(self._lease.context, page)
+            self._cdp = await session_for(page)
             self._cdp_page = page
         return self._cdp
 
@@ -204,11 +205,9 @@ class BrowserEnv:
         # marked and the trees read while the frame is drawn (the bids change no pixel).
         shot = asyncio.ensure_future(self._screenshot(cdp))
         try:
-            marks = await mark_bids(page, self.task.chrome_selectors)
+            marks = await mark_bids(cdp, self.task.chrome_selectors)
             scored = self.task.status(self._lease.page) if score else _unscored()
-            (document, ax), verdict = await asyncio.gather(
-                asyncio.gather(*tree_requests(cdp)), scored
-            )
+            (document, ax), verdict = await asyncio.gather(read_trees(cdp), scored)
             image = await shot
         finally:
             shot.cancel()
@@ -241,7 +240,7 @@ class BrowserEnv:
             info=info,
         )
 
-    async def _screenshot(self, cdp: CDPSession) -> bytes | None:
+    async def _screenshot(self, cdp: Cdp) -> bytes | None:
         """The viewport as PNG, straight from CDP (Playwright's own screenshot waits for
         fonts and animations: twice as slow here)."""
         if not self.screenshots:
@@ -260,28 +259,20 @@ class BrowserEnv:
         the mouse back where a new page has it (no element left hovered)."""
         if not await self.task.recycle(page):
             return False
-        await unmark_bids(page)
-        await (await _pointer(page)).move(0, 0)
+        pointer = await _pointer(page)
+        await unmark_bids(pointer.cdp)
+        await pointer.move(0, 0)
         return True
 
 
-# One CDP session and one pointer per page for as long as the page lives: a recycled
-# page keeps them instead of opening one more per episode.
-_SESSIONS: weakref.WeakKeyDictionary[Page, CDPSession] = weakref.WeakKeyDictionary()
+# One pointer per page for as long as the page lives (a recycled page keeps it).
 _POINTERS: weakref.WeakKeyDictionary[Page, Pointer] = weakref.WeakKeyDictionary()
-
-
-async def _cdp_session(context: BrowserContext, page: Page) -> CDPSession:
-    session = _SESSIONS.get(page)
-    if session is None:
-        session = _SESSIONS[page] = await context.new_cdp_session(page)
-    return session
 
 
 async def _pointer(page: Page) -> Pointer:
     pointer = _POINTERS.get(page)
     if pointer is None:
-        pointer = _POINTERS[page] = Pointer(await _cdp_session(page.context, page))
+        pointer = _POINTERS[page] = Pointer(await session_for(page))
     return pointer
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envs.base import EnvConfigError, EnvError
+from envs.browser.cdp import session_for
 from envs.browser.task import TaskStatus
 
 if TYPE_CHECKING:
@@ -117,7 +118,8 @@ class MiniWoBTask:
         return page
 
     async def setup(self, page: Page, seed: int) -> str:
-        ready, goal = await page.evaluate(SETUP_JS, [seed, EPISODE_MAX_MS, READY_WAIT_MS])
+        cdp = await session_for(page)
+        ready, goal = await cdp.evaluate(SETUP_JS, [seed, EPISODE_MAX_MS, READY_WAIT_MS])
         if not ready:
             raise EnvError(f"{self.key}: the page did not become ready in {READY_WAIT_MS} ms")
         return " ".join(str(goal).split())
@@ -126,12 +128,12 @@ class MiniWoBTask:
         if not page.url.startswith(self.start_url):
             return False
         await page.context.clear_cookies()
-        return bool(await page.evaluate(RECYCLE_JS))
+        return bool(await (await session_for(page)).evaluate(RECYCLE_JS))
 
     async def status(self, page: Page) -> TaskStatus:
         if not page.url.startswith(self.start_url):
             return TaskStatus(0.0, True, {"reason": "navigated away from the task"})
-        done, raw, reason = await page.evaluate(
+        done, raw, reason = await (await session_for(page)).evaluate(
             "() => [WOB_DONE_GLOBAL, WOB_RAW_REWARD_GLOBAL, WOB_REWARD_REASON]"
         )
         reward = 1.0 if done and raw > 0 else 0.0

@@ -95,7 +95,7 @@ async def _click(call: BrowserCall, page: Page, pointer: Pointer, timeout: float
     """At once through the pointer when the element can take the click, else Playwright's
     waiting click (which then says why it could not)."""
     bid, count = call.args["bid"], 2 if call.name == "dblclick" else 1
-    point = await pointer.click_point(page, bid)
+    point = await pointer.click_point(bid)
     if point == "missing":
         raise ActionError(f"{call.name}: no element with bid {bid!r} on the page")
     if isinstance(point, tuple):

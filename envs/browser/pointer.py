@@ -28,7 +28,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from playwright.async_api import CDPSession, Page
+    from envs.browser.cdp import Cdp
 
 # The point to click an element at, or why not now (a string: the caller falls back to
 # Playwright's waiting click). `bid` is passed as an argument, never spliced into code.
@@ -65,7 +65,7 @@ CLICK_POINT_JS = """(bid) => {
 class Pointer:
     """The mouse over one page's CDP session (see the module docstring)."""
 
-    def __init__(self, cdp: CDPSession) -> None:
+    def __init__(self, cdp: Cdp) -> None:
         self.cdp = cdp
         self.x = 0.0
         self.y = 0.0
@@ -89,11 +89,11 @@ class Pointer:
             {"type": "mouseWheel", "x": self.x, "y": self.y, "deltaX": delta_x, "deltaY": delta_y},
         )
 
-    async def click_point(self, page: Page, bid: str) -> tuple[float, float] | str:
+    async def click_point(self, bid: str) -> tuple[float, float] | str:
         """Where to click the element `bid` names if it can take a click now; else why
         not: ``"missing"`` (no such element), or a state a waiting click may outlast
         (``"hidden"``, ``"disabled"``, ``"animated"``, ``"outside"``, ``"covered"``)."""
-        point = await page.evaluate(CLICK_POINT_JS, bid)
+        point = await self.cdp.evaluate(CLICK_POINT_JS, bid)
         if isinstance(point, list):
             return float(point[0]), float(point[1])
         return str(point)

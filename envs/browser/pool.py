@@ -23,8 +23,8 @@ closes in the background too (`Lease.close(wait=False)`), so a reset waits for n
 
 Concurrency: at most `size * contexts_per_browser` leases are open at once (a semaphore;
 more wait), each new context going to the browser with the fewest, so no browser holds
-more than `contexts_per_browser` leased contexts (ready ones come on top: at most
-`spares` prepared ahead per key, and recycled ones up to the key's open episodes).
+more than `contexts_per_browser` leased contexts (ready ones come on top: per key at
+most `spares` plus the most episodes it has had open at once).
 
 Processes: one Playwright driver per pool, `size` Chromium processes under it, started
 on the first lease inside the running event loop. The pool closes them on `aclose()`
@@ -163,6 +163,7 @@ class BrowserPool:
         self._closing: set[asyncio.Task[None]] = set()
         self._recycling: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
         self._active: Counter[str] = Counter()  # open leases by key
+        self._peak: Counter[str] = Counter()  # the most open at once, by key
         self._open = 0  # leases handed out and not yet released
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_close: asyncio.Task[None] | None = None
@@ -172,6 +173,7 @@ class BrowserPool:
         self.launches = 0  # browsers started, for tests and the bench
         self.spares_used = 0  # leases served by a context prepared ahead or recycled
         self.recycled = 0  # ended leases whose context went back to the ready ones
+        self.prepared = 0  # contexts made (a page load each), for ready spares or leases
 
     # -- leasing ------------------------------------------------------------------------
 
@@ -201,6 +203,7 @@ class BrowserPool:
                 context, page, slot = spare
                 self.spares_used += 1
             self._active[key] += 1
+            self._peak[key] = max(self._peak[key], self._active[key])
             self._open += 1
             self._refill(key, prepare, context_options)
             return Lease(key, context, page, self, slot, recycle)
@@ -246,6 +249,7 @@ class BrowserPool:
                 with contextlib.suppress(Exception):
                     await context.close()
                 raise
+            self.prepared += 1
         except BaseException:
             slot.leased -= 1
             raise
@@ -262,7 +266,8 @@ class BrowserPool:
         task.add_done_callback(lambda done: self._preparing.pop(done, None))
 
     def _pending(self, key: str) -> int:
-        return sum(1 for k in self._preparing.values() if k == key)
+        """Contexts of `key` on their way to ready: spares being made, pages recycling."""
+        return sum(1 for k in self._preparing.values() if k == key) + len(self._recycling[key])
 
     async def _make_spare(self, key: str, prepare: Prepare, options: dict[str, Any]) -> None:
         slot = await self._pick_slot()
@@ -288,10 +293,12 @@ class BrowserPool:
         task.add_done_callback(self._recycling[key].discard)
 
     def _keep(self, key: str) -> int:
-        """Ready contexts worth keeping for a key, asked as one of its leases ends: one
-        for each episode it had open, this one included (each may reset soon), at least
-        `spares`."""
-        return max(self.spares, self._active[key] + 1)
+        """Ready contexts worth keeping for a key, asked as one of its leases ends: its
+        `spares` and one for each episode it has had open at once. Fewer would close
+        recycled pages that the next resets then prepare again (a page load each, ~0.2 s
+        of CPU): with a key's episodes ending and starting in turn, the spares made
+        while many were open would push the returning ones out."""
+        return self.spares + self._peak[key]
 
     def _release(self, slot: _Slot, *, context_kept: bool = False) -> None:
         if not context_kept:  # a kept context still counts on its browser, as a spare
@@ -326,6 +333,7 @@ class BrowserPool:
                 with contextlib.suppress(Exception):
                     await context.close()
         self._ready.clear()
+        self._peak.clear()
         for slot in self._slots:
             if slot.browser is not None:
                 with contextlib.suppress(Exception):
