@@ -4,7 +4,8 @@ Both paths play the same MiniWoB++ episodes (the scripted oracle, the same seeds
 the same env code; they differ only in where the browser comes from:
 
 - warm: one `BrowserPool` for the whole run, each task's page recycled from one
-  episode to the next (as MiniWoB++ itself runs them): AgentFlow's default;
+  episode to the next (as MiniWoB++ itself runs them): AgentFlow's default; the pool is
+  warmed by the same load at the same concurrency before the clock starts;
 - fresh: the same pool, but a new context with the page loaded for every episode
   (prepared ahead), `recycle_pages = false`;
 - cold: a new browser per episode, launched by one Playwright driver kept for the
@@ -16,10 +17,12 @@ is installed).
 
 No artificial delay is added anywhere (BrowserGym adds a 0.5 s pre-observation delay
 and 100 ms slow-mo per action). Prints reset and step latency (p50/p90) and episodes/s
-for each path, and the ratios. Targets: warm reset p50 <= 0.3 s, step p50 <= 0.15 s,
-warm episodes/s >= 5x cold.
+for each path, the contexts each made while the clock ran, and the ratios; one run per
+concurrency given. Targets: warm reset p50 <= 0.3 s, step p50 <= 0.15 s, warm
+episodes/s >= 5x cold. docs/computer-use.md has the numbers.
 
-    python bench/browser_env.py --episodes 40 --cold-episodes 20 --concurrency 1
+    python bench/browser_env.py --episodes 200 --cold-episodes 30 --concurrency 1 4 8
+    python bench/browser_env.py ... --no-screenshots    # as examples/miniwob.toml trains
 """
 
 from __future__ import annotations
