@@ -91,8 +91,6 @@ class BrowserEnv:
         self.goto_policy = GotoPolicy.only(task.allowed_urls)
         self._lease: Lease | None = None
         self._tabs: Tabs | None = None
-        self._cdp: Cdp | None = None
-        self._cdp_page: Page | None = None
         self._goal = ""
         self._steps = 0
         self._done = False
@@ -119,11 +117,7 @@ class BrowserEnv:
         self._tabs = Tabs(
             self._lease.context, page, self.viewport, self.action_timeout_ms, _pointer
         )
-        self._goal, self._cdp = await asyncio.gather(
-            self.task.setup(page, 0 if seed is None else seed),
-            session_for(page),
-        )
-        self._cdp_page = page
+        self._goal = await self.task.setup(page, 0 if seed is None else seed)
         self._steps, self._done, self._error = 0, False, None
         return await self._observe(score=False)
 
@@ -188,19 +182,12 @@ class BrowserEnv:
             return _short(f"{text.strip()[:60]} failed: {exc.message.splitlines()[0]}")
         return None
 
-    async def _cdp_for(self, page: Page) -> Cdp:
-        assert self._lease is not None
-        if self._cdp is None or self._cdp_page is not page:
-            self._cdp = await session_for(page)
-            self._cdp_page = page
-        return self._cdp
-
     async def _observe(self, *, score: bool) -> StepResult:
         """The observation of the active tab; with `score`, the task's verdict on its page
         (read in the same round trip), else none yet (reset)."""
         assert self._tabs is not None and self._lease is not None
         tabs, page = self._tabs, self._tabs.active
-        cdp = await self._cdp_for(page)
+        cdp = await session_for(page)
         # The screenshot waits for the next frame; it is asked for first, so the bids are
         # marked and the trees read while the frame is drawn (the bids change no pixel).
         shot = asyncio.ensure_future(self._screenshot(cdp))
@@ -250,7 +237,7 @@ class BrowserEnv:
 
     async def _end_episode(self, *, wait: bool) -> None:
         lease = self._lease
-        self._lease = self._tabs = self._cdp = self._cdp_page = None
+        self._lease = self._tabs = None
         if lease is not None:
             await lease.close(wait=wait)
 
