@@ -394,6 +394,12 @@ class TrainerConfig(_Section):
     )
     batch_episodes: int = Field(default=64, ge=1, description="episodes per optimizer step")
     lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999),
+        description="AdamW betas; a lower second (0.95) bounds the step a sudden gradient "
+        "takes after a long quiet stretch (docs/distillation.md)",
+    )
+    adam_eps: float = Field(default=1e-8, gt=0, le=1.0, description="AdamW epsilon")
     steps: int = Field(default=200, ge=1, description="optimizer steps to run")
     clip_eps: float = Field(default=0.2, gt=0, le=1.0, description="PPO clip range")
     clip_eps_high: float | None = Field(
@@ -440,6 +446,13 @@ class TrainerConfig(_Section):
         default=False, description="recompute layer activations in the backward pass"
     )
     lora: LoraSettings | None = Field(default=None, description="train adapters only (peft)")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError(f"each beta must be in [0, 1), got {list(value)}")
+        return value
 
     @field_validator("kl_coef")
     @classmethod

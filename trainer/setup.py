@@ -38,6 +38,8 @@ def build_policy(config: RunConfig) -> Policy:
         TorchBackendConfig(
             device=trainer.device,
             lr=trainer.lr,
+            betas=trainer.betas,
+            adam_eps=trainer.adam_eps,
             max_grad_norm=trainer.max_grad_norm,
             batching=BatchingConfig(max_tokens_per_microbatch=trainer.max_tokens_per_microbatch),
             precision=trainer.precision,
@@ -61,6 +63,8 @@ def _megatron_policy(config: RunConfig, model: Any) -> Policy:
             vocab_divisible_by=megatron.vocab_divisible_by,
             precision=trainer.precision,
             lr=trainer.lr,
+            betas=trainer.betas,
+            adam_eps=trainer.adam_eps,
             max_grad_norm=trainer.max_grad_norm,
             batching=BatchingConfig(max_tokens_per_microbatch=trainer.max_tokens_per_microbatch),
             seed=config.seed,

@@ -78,6 +78,7 @@ REFUSED: list[tuple[dict[str, Any], tuple[str | int, ...], str]] = [
     ({"engine": {"type": "sglang", "urls": ["http://r:1"]}}, ("engine",), "model.path"),
     ({"engine": {"type": "local", "device": "gpu"}}, ("engine", "local", "device"), "cuda:N"),
     ({"trainer": {"device": "cuda0"}}, ("trainer", "device"), "cuda:N"),
+    ({"trainer": {"betas": [0.9, 1.0]}}, ("trainer", "betas"), "in [0, 1)"),
     ({"envs": [{"id": "my-env@2", "kwargs": {"n": 1}}]}, ("envs", 0, "kwargs"), "built-in"),
     (
         {"envs": [{"id": "agentflow/calc-tool-v0"}], "warm_start": {"enabled": True}},

@@ -22,6 +22,7 @@ from trainer.algorithms import AlgorithmConfig, group_advantages, policy_loss
 from trainer.backends.torch_backend import (
     TorchBackendConfig,
     TorchPolicy,
+    _split,
     checkpoint_dir,
     latest_checkpoint,
 )
@@ -160,6 +161,20 @@ def test_minibatches_take_one_step_each() -> None:
     metrics = policy.train_step(trajs, adv, AlgorithmConfig(minibatches=3))
     assert metrics["optimizer_steps"] == 3
     assert policy.optimizer.state[next(iter(model.parameters()))]["step"] == 3
+
+
+@pytest.mark.parametrize(("n", "parts"), [(128, 8), (10, 3), (3, 5), (1, 1)])
+def test_minibatches_are_dealt_across_groups(n: int, parts: int) -> None:
+    split = _split(n, parts)
+    assert sorted(i for part in split for i in part) == list(range(n))
+    assert len(split) == min(n, parts) and all(split)
+    assert max(map(len, split)) - min(map(len, split)) <= 1
+    # A batch holds each group's samples side by side: every minibatch gets one of each
+    # group of `parts`, so every optimizer step sees every task of the batch.
+    width = len(split)
+    for start in range(0, n - width + 1, width):
+        group = set(range(start, start + width))
+        assert all(len(group & set(part)) == 1 for part in split)
 
 
 def test_kl_needs_a_reference_and_starts_at_zero() -> None:
