@@ -102,7 +102,7 @@ def run(distinct: int, args: argparse.Namespace, teachers: dict[str, Any]) -> Cu
             student.eval()
             ids = sample(student, [prompt(template, *q) for q in qs])
             student.train()
-            at = slice(ids.shape[1] - ANSWER_TOKENS - 1, -1)  # positions predicting the answer
+            at = slice(ids.shape[1] - ANSWER_TOKENS - 1, None)  # the positions predicting answers
             logp = torch.log_softmax(student(ids[:, :-1]).logits[:, at].float(), -1)
             with torch.no_grad():
                 teacher_logp = torch.log_softmax(teachers[skill](ids[:, :-1]).logits[:, at], -1)
