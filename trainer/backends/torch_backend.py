@@ -658,8 +658,8 @@ def _split(n: int, parts: int) -> list[list[int]]:
     """0..n-1 in `parts` nearly equal, non-empty minibatches (fewer if n < parts), dealt
     round-robin: a batch holds each group's samples side by side, and contiguous chunks
     gave each optimizer step a group or two, i.e. a handful of distinct tasks; dealt,
-    every step sees every group (on-policy distillation left its plateau 4-8x later with
-    contiguous chunks, docs/distillation.md)."""
+    every step sees every group (with contiguous chunks on-policy distillation sat on its
+    plateau for hundreds of steps more: docs/distillation.md)."""
     parts = min(parts, n)
     return [list(range(k, n, parts)) for k in range(parts)]
 
