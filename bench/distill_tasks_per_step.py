@@ -4,8 +4,8 @@ leaves its plateau (docs/distillation.md, "Every optimizer step sees every task"
 Outside the train loop, so nothing but the data of a step differs: a fresh student (the
 examples' 2 layers x 128) answers the first question of shift and mirror episodes
 (`shift 482` -> `593`), sampling its own answers at temperature 1; the loss is the exact
-reverse KL to the teacher of each question's skill, the one `estimator = "full"` trains
-(trainer/algorithms.py); AdamW, the same seed, lr and batch size for every setting. The
+reverse KL to the teacher of each question's skill (`trainer.algorithms.reverse_kl`, what
+`estimator = "full"` trains); AdamW, the same seed, lr and batch size for every setting. The
 settings differ only in how many *distinct* questions per skill fill a step's batch (the
 rest repeat them): a batch cut in order out of groups of 8 gives a step 2 or 3, dealt
 round-robin it gives one per group. Printed: sampled accuracy per skill every 50 steps,
@@ -30,6 +30,7 @@ from agentflow.modeling import ModelInit, build_model, load_model
 from agentflow.tokenization.bytes import ByteTokenizer
 from agentflow.tokenization.chat import ChatTemplate, chat_template_for
 from envs.builtin.digits import SKILLS, solve
+from trainer.algorithms import reverse_kl
 
 TEACHERS = "runs/teacher-{skill}/checkpoints/step-00000080/model"
 ANSWER_TOKENS = 4  # three digits and the end of the turn
@@ -106,7 +107,7 @@ def run(distinct: int, args: argparse.Namespace, teachers: dict[str, Any]) -> Cu
             logp = torch.log_softmax(student(ids[:, :-1]).logits[:, at].float(), -1)
             with torch.no_grad():
                 teacher_logp = torch.log_softmax(teachers[skill](ids[:, :-1]).logits[:, at], -1)
-            loss = loss + (logp.exp() * (logp - teacher_logp)).sum(-1).mean() / len(SKILLS)
+            loss = loss + reverse_kl(logp, teacher_logp).mean() / len(SKILLS)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

@@ -233,6 +233,12 @@ class DistillLoss(BaseModel):
     )
 
 
+def reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """KL(π_θ ‖ π_T) at each position, exactly, from both log-softmaxes over the vocabulary
+    (last dimension): Σ_v π_θ(v) (log π_θ(v) - log π_T(v))."""
+    return (student_logp.exp() * (student_logp - teacher_logp)).sum(-1)
+
+
 def distill_terms(
     distill: DistillLoss,
     logp: torch.Tensor,
@@ -273,7 +279,7 @@ def distill_terms(
             )
         rows = mb.policy_values(mb.teacher_rows)
         teacher_logp = mb.teacher_dist[rows.clamp(min=0)]
-        per_token = (student_full.exp() * (student_full - teacher_logp)).sum(-1)
+        per_token = reverse_kl(student_full, teacher_logp)
         per_token = torch.where(rows >= 0, per_token, torch.zeros_like(per_token))
         kl_loss = distill.coef * (per_token * weights.float()).sum() / float(normalizer)
         kl = per_token.detach()
