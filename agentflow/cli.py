@@ -1,6 +1,9 @@
-"""The `agentflow` command. Thin: parse arguments, then call the API client or a module.
+"""The gateway's commands of `agentflow`: `serve`, `db`, `envs`, `runs`, `stack`, `desktop`.
 
-Nothing here imports torch; the subcommands that need it import it when they run.
+Thin: parse arguments, then call the API client or a module. The whole command, with the
+trainer's commands beside these, is put together in `trainer/cli.py`, the composition
+root, which also uses the helpers here (`print_json`, `fail`, `read_run_config`). Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -8,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
-import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -21,7 +22,10 @@ from agentflow.desktop_cli import desktop_app
 from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.stack_cli import stack_app
 
-app = typer.Typer(help="AgentFlow: train LLM agents with asynchronous RL.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from agentflow.run_config import RunConfig
+
+app = typer.Typer(help="The gateway's commands.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema migrations.", no_args_is_help=True)
 envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 runs_app = typer.Typer(help="Runs.", no_args_is_help=True)
@@ -39,7 +43,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def _print(value: Any) -> None:
+def print_json(value: Any) -> None:
+    """Print `value` (a pydantic model or plain data) as indented JSON."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     typer.echo(json.dumps(value, indent=2, default=str))
@@ -51,7 +56,8 @@ def _client(url: str, api_key: str | None) -> Any:
     return Client(url, api_key=api_key)
 
 
-def _fail(exc: Exception) -> typer.Exit:
+def fail(exc: Exception) -> typer.Exit:
+    """Print `exc` as the command's error; the exit (code 1) to raise from it."""
     message = str(exc)
     if isinstance(exc, InvalidInput) and exc.field:  # name the field, as the API's 422 does
         field = ".".join(exc.field[1:] if exc.field[0] == "body" else exc.field)
@@ -59,6 +65,28 @@ def _fail(exc: Exception) -> typer.Exit:
             message = f"{field}: {message}"
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=1)
+
+
+def read_run_config(path: Path) -> RunConfig:
+    """The run config at `path`, or exit 1 naming the file and the first bad field."""
+    from pydantic import ValidationError
+
+    from agentflow.run_config import load_run_config
+
+    try:
+        return load_run_config(path)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise fail(ValueError(f"{path}: {where}: {message}")) from None
+    except (OSError, ValueError) as exc:  # unreadable file, TOML syntax
+        raise fail(exc) from None
+
+
+ConfigArg = Annotated[
+    Path, typer.Argument(exists=True, dir_okay=False, help="run config (TOML, or JSON as *.json)")
+]
 
 
 @app.command()
@@ -87,13 +115,13 @@ def serve(
     try:
         asyncio.run(check())
     except (AgentFlowError, OSError) as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     from agentflow.api.public_url import served_url
 
     try:
         sock = _listening_socket(host, port)
     except OSError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if settings.public_url is None:
         # Agents are handed the address actually served (the port may be 0: any free one).
         settings = settings.model_copy(
@@ -146,9 +174,9 @@ def envs_register(
     body = yaml.safe_load(file.read_text())  # YAML is a superset of JSON
     try:
         with _client(url, api_key) as client:
-            _print(client.create_env(body))
+            print_json(client.create_env(body))
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @envs_app.command("list")
@@ -164,9 +192,9 @@ def envs_list(
         with _client(url, api_key) as client:
             page = client.list_envs(name=name, kind=kind, limit=500)
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if as_json:
-        _print(page)
+        print_json(page)
         return
     for env in page.items:
         typer.echo(f"{env.id}  {env.name}@{env.version}  {env.kind}  {env.description[:50]}")
@@ -178,9 +206,9 @@ def envs_show(env_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) ->
     """Show one environment."""
     try:
         with _client(url, api_key) as client:
-            _print(client.get_env(env_id))
+            print_json(client.get_env(env_id))
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @envs_app.command("delete")
@@ -190,7 +218,7 @@ def envs_delete(env_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) 
         with _client(url, api_key) as client:
             client.delete_env(env_id)
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     typer.echo(f"deleted {env_id}")
 
 
@@ -218,9 +246,9 @@ def runs_list(
         with _client(url, api_key) as client:
             page = client.list_runs(status=status, limit=500)
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if as_json:
-        _print(page)
+        print_json(page)
         return
     for run in page.items:
         typer.echo(f"{run.id}  {run.name}  {run.status}  v{run.weight_version}")
@@ -235,12 +263,12 @@ def runs_create(
     api_key: KeyOpt = None,
 ) -> None:
     """Create a run from a TOML config (validated here first, then by the gateway)."""
-    config = _run_config(file)
+    config = read_run_config(file)
     try:
         with _client(url, api_key) as client:
-            _print(client.create_run(config, start=start))
+            print_json(client.create_run(config, start=start))
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @runs_app.command("control")
@@ -253,12 +281,12 @@ def runs_control(
     """Pause, resume or stop a live run."""
     actions = {"pause": "pause_run", "resume": "resume_run", "stop": "stop_run"}
     if action not in actions:
-        raise _fail(ValueError(f"action must be one of {sorted(actions)}"))
+        raise fail(ValueError(f"action must be one of {sorted(actions)}"))
     try:
         with _client(url, api_key) as client:
-            _print(getattr(client, actions[action])(run_id))
+            print_json(getattr(client, actions[action])(run_id))
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @runs_app.command("episodes")
@@ -273,7 +301,7 @@ def runs_episodes(
         with _client(url, api_key) as client:
             page = client.list_run_episodes(run_id, status=status, limit=1000)
     except AgentFlowError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     for e in page.items:
         reward = "-" if e.reward is None else f"{e.reward:.3f}"
         typer.echo(f"{e.id}  {e.env_ref}  {e.status}  reward={reward}  {e.error or ''}")
@@ -285,205 +313,6 @@ def runs_show(run_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) ->
     """Show one run with its config."""
     try:
         with _client(url, api_key) as client:
-            _print(client.get_run(run_id))
+            print_json(client.get_run(run_id))
     except AgentFlowError as exc:
-        raise _fail(exc) from None
-
-
-def _run_config(path: Path) -> Any:
-    from pydantic import ValidationError
-
-    from agentflow.run_config import load_run_config
-
-    try:
-        return load_run_config(path)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise _fail(ValueError(f"{path}: {where}: {message}")) from None
-    except (OSError, ValueError) as exc:  # unreadable file, TOML syntax
-        raise _fail(exc) from None
-
-
-ConfigArg = Annotated[
-    Path, typer.Argument(exists=True, dir_okay=False, help="run config (TOML, or JSON as *.json)")
-]
-
-
-@app.command()
-def train(
-    config: ConfigArg,
-    seed: Annotated[
-        int | None, typer.Option(min=0, help="override the config's seed (run NAME-seedN)")
-    ] = None,
-    ui_port: Annotated[
-        int | None,
-        typer.Option(min=0, max=65535, help="serve the dashboard on 127.0.0.1 at this port"),
-    ] = None,
-    ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            help="place engines, trainer ranks and env servers on this Ray cluster: 'local' "
-            "(start one here), 'auto', or an address (docs/ray.md)",
-            show_default=False,
-        ),
-    ] = None,
-    database_url: Annotated[
-        str | None,
-        typer.Option(
-            help="with Ray: the run's database (default: SQLite in the run directory)",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
-    """Train in one process (SQLite, local engine, envs, trainer); rerun to resume.
-    With --ray (or [placement] ray), the engines, the trainer's ranks and the env servers
-    are Ray actors and this process is the run's gateway."""
-    run_config = _run_config(config)  # parse before importing torch: bad input fails fast
-    if seed is not None:
-        name = f"{run_config.name}-seed{seed}"
-        run_config = run_config.model_copy(update={"seed": seed, "name": name})
-    from agentflow.config import Settings
-
-    Settings().apply_gc_threshold()  # this process is the run's gateway
-    placed = ray is not None or bool(run_config.placement.ray)
-    if database_url is not None and not placed:
-        raise _fail(InvalidInput("--database-url is for a run placed with --ray", field="ray"))
-    if placed and ui_port is not None:
-        raise _fail(
-            InvalidInput("with --ray the gateway serves the dashboard at /ui", field="ui_port")
-        )
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the run prints its own progress
-
-    try:
-        if placed:
-            from trainer.ray_run import train_on_ray
-
-            summary = train_on_ray(run_config, ray, database_url=database_url)
-        else:
-            from trainer.embedded import train_embedded
-
-            summary = train_embedded(run_config, ui_port=ui_port)
-    except (AgentFlowError, OSError) as exc:
-        raise _fail(exc) from None
-    _print(summary)
-
-
-@app.command()
-def sft(
-    config: ConfigArg,
-    out: Annotated[Path | None, typer.Option(help="where to save the model")] = None,
-) -> None:
-    """Warm start only: supervised training on the envs' scripted oracles."""
-    run_config = _run_config(config)
-    from agentflow.run_config import check_warm_start_env
-
-    try:  # also when `warm_start.enabled` is false, which the config's parse checks
-        for entry in run_config.envs:
-            check_warm_start_env(entry.id, run_config.warm_start.p_oracle)
-    except ValueError as exc:
-        raise _fail(ValueError(f"{config}: warm_start: {exc}")) from None
-    from trainer.embedded import run_directory, warm_start
-
-    target = out or run_directory(run_config) / "sft"
-    try:
-        metrics = warm_start(run_config, target)
-    except AgentFlowError as exc:
-        raise _fail(exc) from None
-    _print({"model": str(target), **metrics})
-
-
-@app.command("eval")
-def eval_command(
-    config: ConfigArg,
-    model: Annotated[Path, typer.Option(help="an HF-format model directory to evaluate")],
-    episodes: Annotated[int, typer.Option(min=1, help="sampled episodes per env")] = 400,
-    seed: Annotated[int, typer.Option(min=0, help="seeds the env tasks and sampling")] = 0,
-) -> None:
-    """Play a model on each env of a run config's mix, as the run's agent would; prints
-    mean reward and success rate per env."""
-    run_config = _run_config(config)
-    if not (model / "config.json").is_file():
-        raise _fail(InvalidInput(f"no HF model at {model} (config.json missing)", field="model"))
-    from dataclasses import asdict
-
-    from transformers.utils import logging as hf_logging
-
-    from trainer.evaluation import evaluate_run_model
-
-    hf_logging.disable_progress_bar()
-    try:
-        results = evaluate_run_model(run_config, model, episodes=episodes, seed=seed)
-    except AgentFlowError as exc:
-        raise _fail(exc) from None
-    _print({"model": str(model), "envs": {env: asdict(m) for env, m in results.items()}})
-
-
-def _positive(value: float) -> float:
-    if not value > 0:
-        raise typer.BadParameter(f"must be > 0, not {value}")
-    return value
-
-
-@app.command("trainer")
-def trainer_command(
-    config: ConfigArg,
-    gateway: Annotated[str, typer.Option(help="the gateway's base URL")],
-    run_id: Annotated[
-        str | None,
-        typer.Option(
-            "--run",
-            help="the run to train (its id); without it, the newest pending, running or "
-            "paused run named like the config, else a new run created from the config",
-            show_default=False,
-        ),
-    ] = None,
-    api_key: KeyOpt = None,
-    retry_window_s: Annotated[
-        float,
-        typer.Option(
-            envvar="AGENTFLOW_TRAINER_RETRY_WINDOW_S",
-            callback=_positive,
-            help="seconds each call to the gateway is retried while it is away "
-            "(connection errors, 502/503/504); then the trainer exits 1",
-        ),
-    ] = 300.0,
-) -> None:
-    """The split form: train a run that a gateway executes (disk or nccl weight sync).
-
-    With `trainer.ranks > 1`, or the Megatron backend, this command starts torchrun
-    with `trainer.ranks` copies of itself (trainer/ranks.py)."""
-    run_config = _run_config(config)
-    import httpx
-
-    from agentflow.client import RetryPolicy
-    from trainer import ranks
-    from trainer.remote import check_split_form, train_remote
-
-    if ranks.needs_ranks(run_config) and not ranks.in_ranks():
-        try:  # refused here, once, rather than by every rank
-            check_split_form(run_config)
-        except AgentFlowError as exc:
-            raise _fail(exc) from None
-        raise typer.Exit(ranks.launch(run_config.trainer.ranks, sys.argv[1:]))
-
-    retry = RetryPolicy(window_s=retry_window_s)
-    try:
-        run = uuid.UUID(run_id) if run_id is not None else None
-        summary = train_remote(run_config, gateway, run, api_key=api_key, retry=retry)
-    except (AgentFlowError, ValueError, httpx.TransportError) as exc:
-        raise _fail(exc) from None
-    if "rank" not in summary:  # rank 0's, or the only process's
-        _print(summary)
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()
+        raise fail(exc) from None

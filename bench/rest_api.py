@@ -203,7 +203,7 @@ def bench(database_url: str, args: argparse.Namespace) -> dict[str, tuple[Load, 
         logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="rest_api_bench"))
         gateway_log = stack.enter_context(open(Path(logs) / "gateway.log", "wb"))
         bare_log = stack.enter_context(open(Path(logs) / "bare.log", "wb"))
-        serve = [sys.executable, "-m", "agentflow", "serve"]
+        serve = [sys.executable, "-m", "trainer.cli", "serve"]
         gateway = stack.enter_context(_process(serve, database_url, gateway_log))
         register_envs(gateway.url, args.envs)
         bare_server = [sys.executable, __file__, "--serve-bare"]

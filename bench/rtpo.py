@@ -106,7 +106,7 @@ def _config(out: Path, name: str, variant: str, seed: int, steps: int, model: st
 
 def _run(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "agentflow.cli", *args],
+        [sys.executable, "-m", "trainer.cli", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from envs import registry
 from envs.base import (
     ERRORS_BY_CODE,
     Action,
@@ -27,6 +28,7 @@ from envs.base import (
     StepResult,
     UnknownEnv,
 )
+from envs.specs import HttpEnvSpec
 
 _RETRY_STATUS = frozenset({502, 503})
 _STATUS_ERRORS: dict[int, type[EnvError]] = {
@@ -168,3 +170,13 @@ class RemoteEnv:
         finally:
             if self._own_client:
                 await self._client.aclose()
+
+
+def from_spec(spec: HttpEnvSpec) -> RemoteEnv:
+    """The env a registered `http` spec describes: a client of its env server."""
+    return RemoteEnv(str(spec.url), env=spec.env_id, headers=spec.headers, options=spec.options)
+
+
+def register() -> None:
+    """Register the `http` kind: envs served by an env server (`envs/server.py`)."""
+    registry.register_kind("http", HttpEnvSpec, from_spec, replace=True)

@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-from envs.base import Action, EnvClosed, EnvError, EpisodeFinished, StepResult
+from envs import registry
+from envs.base import Action, EnvClosed, EnvConfigError, EnvError, EpisodeFinished, StepResult
 from envs.client import RemoteEnv
 from envs.specs import ContainerEnvSpec
 
@@ -119,3 +120,20 @@ class ContainerEnv:
         if self.container is not None:
             container, self.container = self.container, None
             await asyncio.to_thread(container.remove, force=True)
+
+
+def from_spec(spec: ContainerEnvSpec, docker_client: Any | None = None) -> ContainerEnv:
+    """The env a registered `container` spec describes, started through `docker_client`
+    (a `docker.DockerClient`); without one there is no runtime to start it with."""
+    if docker_client is None:
+        raise EnvConfigError(
+            "container envs need a container runtime: pass docker_client= "
+            "(a docker.DockerClient) to resolve(), or serve the image yourself and "
+            "register it as an 'http' env"
+        )
+    return ContainerEnv(spec, docker_client)
+
+
+def register() -> None:
+    """Register the `container` kind: env servers started from container images."""
+    registry.register_kind("container", ContainerEnvSpec, from_spec, replace=True)

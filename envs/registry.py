@@ -1,40 +1,52 @@
-"""Env ids, registration by entry point, and resolving stored specs to runnable envs.
+"""Env ids and spec kinds, filled in by the env families; nothing here knows a family.
 
 Ids look like Gymnasium's: ``namespace/Name-vN`` (``agentflow/guess-number-v0``).
 ``register(id, entry_point="pkg.mod:attr", kwargs=..., max_episode_steps=...)`` records a
-factory; ``make(id, **kwargs)`` builds a fresh env. The built-in envs are registered when
-this module is imported.
+factory; ``make(id, **kwargs)`` builds a fresh env.
+
+Env families register themselves: each is a ``register()`` function named by an entry
+point of the ``agentflow.envs`` group (this project's are listed in pyproject.toml: the
+built-in text envs, the adapters, ``http``, ``container``, the browser and the desktop
+families; an installed package adds its own the same way). They are loaded once per
+process, on the first use of this registry, so ``registry.make("miniwob/...")`` works
+after ``from envs import registry`` alone. A family that fails to load is logged and
+named by the error of any id it would have brought; the others still load.
 
 Importing a module runs its code, so entry points given as strings are imported only
 from an allow-list of module prefixes: ``envs.`` by default, extended with
 :func:`allow_modules` or the ``AGENTFLOW_ENV_MODULES`` environment variable
 (comma-separated prefixes, e.g. ``mycompany.envs,lab_envs``). Anything else is refused
-with :class:`EnvConfigError` before any import happens.
+with :class:`EnvConfigError` before any import happens. (The families' entry points are
+the installed packages' own metadata, trusted as their code is.)
 
-:func:`resolve` turns a spec as the REST API stores it (``envs.specs``) into an env:
-
-- ``python``: the entry point, imported through the allow-list, called with ``kwargs``;
-- ``http``: a :class:`envs.client.RemoteEnv` for the env server at ``url``;
-- ``container``: an env server started from an image through a Docker client (the docker
-  SDK's ``docker.DockerClient``); without ``docker_client=`` it raises
-  :class:`EnvConfigError`, because there is no container runtime to start it with;
-- ``browser``/``desktop``: the resolver registered for that kind with
-  :func:`register_kind_resolver`, or :class:`EnvConfigError` when none is.
+A spec as the REST API stores it, ``{kind, spec}``, is validated by :func:`parse_spec`
+against its kind's model and turned into an env by :func:`resolve`. The ``python`` kind
+is the registry's own (a factory by dotted path, through the allow-list); every other
+kind is registered by its family with :func:`register_kind`: ``http``
+(:class:`envs.client.RemoteEnv`), ``container`` (needs ``docker_client=``), ``browser``
+and ``desktop``.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import re
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
 from envs.base import Env, EnvConfigError, UnknownEnv
-from envs.specs import ContainerEnvSpec, EnvSpec, HttpEnvSpec, PythonEnvSpec
+from envs.specs import EnvSpecModel, PythonEnvSpec
 from envs.wrappers import TimeLimit
+
+logger = logging.getLogger(__name__)
+
+FAMILIES_GROUP = "agentflow.envs"
 
 ENV_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*-v\d+$")
 MODULES_ENV_VAR = "AGENTFLOW_ENV_MODULES"
@@ -56,14 +68,65 @@ class EnvEntry:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class KindEntry:
+    """One kind of stored spec: its model, and how a validated spec becomes an env
+    (``resolver(spec)``; ``resolver(spec, docker_client=...)`` when the caller has one)."""
+
+    kind: str
+    spec: type[EnvSpecModel]
+    resolver: Callable[..., Env]
+
+
 _registry: dict[str, EnvEntry] = {}
+_kinds: dict[str, KindEntry] = {}
 _allowed: list[str] = list(DEFAULT_MODULES)
-_kind_resolvers: dict[str, Callable[[Any], Env]] = {}
 _shared_closers: list[Callable[[], Awaitable[None]]] = []
-_BUILTIN_KIND_RESOLVERS = {
-    "browser": "envs.browser.env:from_spec",
-    "desktop": "envs.desktop.env:from_spec",
-}
+_families_lock = threading.RLock()
+_families_loaded = False
+_families_loading = False  # re-entered from a family's own register() calls
+_family_errors: dict[str, str] = {}
+
+
+def load_families() -> None:
+    """Load every env family named by an ``agentflow.envs`` entry point, once per
+    process; the registry's other functions call this first."""
+    global _families_loaded, _families_loading
+    if _families_loaded:
+        return
+    with _families_lock:
+        if _families_loaded or _families_loading:
+            return
+        _families_loading = True
+        try:
+            seen = set()
+            for point in sorted(entry_points(group=FAMILIES_GROUP), key=lambda p: p.name):
+                if point.name in seen:  # the same distribution found twice on the path
+                    continue
+                seen.add(point.name)
+                try:
+                    point.load()()
+                except Exception as exc:  # one broken family must not hide the others
+                    _family_errors[point.name] = f"{type(exc).__name__}: {exc}"
+                    logger.warning("env family %r failed to load: %s", point.name, exc)
+            if not seen:
+                _family_errors[""] = (
+                    f"no env families are installed (no {FAMILIES_GROUP!r} entry points: "
+                    "install the package, e.g. pip install -e .)"
+                )
+        finally:
+            _families_loaded, _families_loading = True, False
+
+
+def _families_note() -> str:
+    """What an unknown id or kind may be missing for: families that failed to load."""
+    if not _family_errors:
+        return ""
+    failed = "; ".join(
+        message if not name else f"env family {name!r} failed to load: {message}"
+        for name, message in sorted(_family_errors.items())
+    )
+    return f" ({failed})"
 
 
 def validate_id(env_id: str) -> str:
@@ -125,6 +188,7 @@ def register(
     replace: bool = False,
 ) -> EnvEntry:
     """Record an env under ``env_id``; nothing is imported until :func:`make`."""
+    load_families()  # first, so a family never replaces what its caller registers
     validate_id(env_id)
     if env_id in _registry and not replace:
         raise EnvConfigError(f"env {env_id!r} is already registered")
@@ -138,17 +202,20 @@ def register(
 
 
 def unregister(env_id: str) -> None:
+    load_families()
     _registry.pop(env_id, None)
 
 
 def spec(env_id: str) -> EnvEntry:
+    load_families()
     try:
         return _registry[env_id]
     except KeyError:
-        raise UnknownEnv(f"no env registered as {env_id!r}") from None
+        raise UnknownEnv(f"no env registered as {env_id!r}{_families_note()}") from None
 
 
 def registered() -> list[str]:
+    load_families()
     return sorted(_registry)
 
 
@@ -208,90 +275,62 @@ async def close_shared() -> None:
         await closer()
 
 
-def register_kind_resolver(kind: str, resolver: Callable[[Any], Env]) -> None:
-    """Let another module resolve specs of ``kind`` (``browser``, ``desktop``)."""
-    _kind_resolvers[kind] = resolver
+def register_kind(
+    kind: str,
+    spec_model: type[EnvSpecModel],
+    resolver: Callable[..., Env],
+    *,
+    replace: bool = False,
+) -> KindEntry:
+    """Let a family's specs of ``kind`` be stored (validated by ``spec_model``) and run
+    (``resolver``)."""
+    load_families()
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,15}", kind):
+        raise EnvConfigError(f"invalid env kind {kind!r}: 1-16 of a-z, 0-9, '_' and '-'")
+    if kind in _kinds and not replace:
+        raise EnvConfigError(f"env kind {kind!r} is already registered")
+    entry = KindEntry(kind, spec_model, resolver)
+    _kinds[kind] = entry
+    return entry
 
 
-def resolve(env_spec: EnvSpec, *, docker_client: Any | None = None) -> Env:
-    """Turn a validated spec (``envs.specs.parse_spec``) into a runnable env."""
-    if isinstance(env_spec, PythonEnvSpec):
-        factory = load_entry_point(env_spec.entry_point)
-        if not callable(factory):
-            raise EnvConfigError(f"{env_spec.entry_point!r} is not callable")
-        return factory(**env_spec.kwargs)
-    if isinstance(env_spec, HttpEnvSpec):
-        from envs.client import RemoteEnv
-
-        return RemoteEnv(
-            str(env_spec.url),
-            env=env_spec.env_id,
-            headers=env_spec.headers,
-            options=env_spec.options,
-        )
-    if isinstance(env_spec, ContainerEnvSpec):
-        if docker_client is None:
-            raise EnvConfigError(
-                "container envs need a container runtime: pass docker_client= "
-                "(a docker.DockerClient) to resolve(), or serve the image yourself and "
-                "register it as an 'http' env"
-            )
-        from envs.container import ContainerEnv
-
-        return ContainerEnv(env_spec, docker_client)
-    resolver = _kind_resolvers.get(env_spec.kind)
-    if resolver is None and env_spec.kind in _BUILTIN_KIND_RESOLVERS:
-        # Imported on first use: the browser and desktop envs pull in Playwright.
-        resolver = load_entry_point(_BUILTIN_KIND_RESOLVERS[env_spec.kind])
-        _kind_resolvers[env_spec.kind] = resolver
-    if resolver is None:
-        raise EnvConfigError(f"no resolver is registered for env kind {env_spec.kind!r}")
-    return resolver(env_spec)
+def kinds() -> list[str]:
+    """The registered kinds of stored spec, sorted."""
+    load_families()
+    return sorted(_kinds)
 
 
-def _register_builtins() -> None:
-    builtins = (
-        ("agentflow/guess-number-v0", "guess_number:GuessNumberEnv", "guess_number:oracle"),
-        ("agentflow/calc-tool-v0", "calc_tool:CalcToolEnv", "calc_tool:oracle"),
-        ("agentflow/lookup-v0", "lookup:LookupEnv", "lookup:oracle"),
-        ("agentflow/shift-digits-v0", "digits:shift_digits", "digits:oracle"),
-        ("agentflow/mirror-digits-v0", "digits:mirror_digits", "digits:oracle"),
-        ("agentflow/digit-relay-v0", "digits:digit_relay", "digits:oracle"),
-        ("agentflow/vault-v0", "vault:VaultEnv", "vault:oracle"),
-    )
-    for env_id, entry_point, oracle_path in builtins:
-        register(
-            env_id,
-            f"envs.builtin.{entry_point}",
-            oracle=f"envs.builtin.{oracle_path}",
-            replace=True,
-        )
-    # Adapters to other suites: imported (with their suite) only when made.
-    adapters = (
-        ("gymnasium/FrozenLake-v1", "gym_text:frozen_lake"),
-        ("gymnasium/Blackjack-v1", "gym_text:blackjack"),
-        ("textarena/TicTacToe-v0", "textarena_games:tictactoe"),
-        ("textarena/ConnectFour-v0", "textarena_games:connect_four"),
-    )
-    for env_id, entry_point in adapters:
-        register(env_id, f"envs.adapters.{entry_point}", replace=True)
-    # MiniWoB++ pages (listed from the miniwob wheel's folder; Playwright loads on reset).
-    from envs.browser.miniwob import register_miniwob_tasks
-
-    register_miniwob_tasks()
-    # Desktop tasks (Xvfb + VNC + noVNC, driven through the noVNC page).
-    from envs.desktop.tasks import register_desktop_tasks
-
-    register_desktop_tasks()
+def kind(name: str) -> KindEntry:
+    load_families()
+    try:
+        return _kinds[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown env kind {name!r}; expected one of {tuple(sorted(_kinds))}{_families_note()}"
+        ) from None
 
 
-BUILTIN_ENVS = (
-    "agentflow/guess-number-v0",
-    "agentflow/calc-tool-v0",
-    "agentflow/lookup-v0",
-    "agentflow/shift-digits-v0",
-    "agentflow/mirror-digits-v0",
-    "agentflow/digit-relay-v0",
-    "agentflow/vault-v0",
-)
-_register_builtins()
+def parse_spec(kind_name: str, spec: dict[str, Any]) -> EnvSpecModel:
+    """Validate `spec` as the spec of `kind_name`: the kind's model, or
+    `pydantic.ValidationError` naming the bad field by its path inside the spec (e.g.
+    `("url",)`); `ValueError` for an unknown kind."""
+    model = kind(kind_name).spec
+    return model.model_validate({**spec, "kind": kind_name})
+
+
+def resolve(env_spec: EnvSpecModel, *, docker_client: Any | None = None) -> Env:
+    """Turn a validated spec (:func:`parse_spec`) into a runnable env, by its kind's
+    resolver; ``docker_client`` (a ``docker.DockerClient``) is handed to it when given."""
+    options = {} if docker_client is None else {"docker_client": docker_client}
+    return kind(env_spec.kind).resolver(env_spec, **options)
+
+
+def _make_python(env_spec: PythonEnvSpec) -> Env:
+    factory = load_entry_point(env_spec.entry_point)
+    if not callable(factory):
+        raise EnvConfigError(f"{env_spec.entry_point!r} is not callable")
+    env: Env = factory(**env_spec.kwargs)
+    return env
+
+
+_kinds["python"] = KindEntry("python", PythonEnvSpec, _make_python)

@@ -3,7 +3,7 @@ from the product's own entry points, not only from tests or benchmarks.
 
 The walk is static (ast): `import a.b`, `from a import b` (b a module or a name),
 relative imports, at module level and inside functions. It starts from the console
-scripts in pyproject.toml, `agentflow.__main__`, `agentflow.api.app`, every product module
+scripts and entry points in pyproject.toml, `agentflow.api.app`, every product module
 with an `if __name__ == "__main__":` block or run with `python -m` by product code, the
 dotted paths (`"pkg.mod:attr"`, `"pkg.mod"`) written in product code, as the env
 registry's built-ins are, the migration scripts alembic runs, and the few modules that
@@ -22,30 +22,20 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.module_graph import MIGRATIONS, ROOT, ModuleFacts, project_modules
+
 PACKAGES = ("agentflow", "envs", "sandbox", "trainer")
-ROOTS = ("agentflow.__main__", "agentflow.api.app")
+ROOTS = ("agentflow.api.app",)
 # Modules whose users are other programs, not our entry points.
 LIBRARY = {
     "sandbox.client": "HttpSandbox, the client of `python -m sandbox.service`",
     "envs.adapters.as_gymnasium": "our envs as Gymnasium envs, for users' own loops",
 }
-# Alembic runs these scripts from their directory (`agentflow.db.migrate`): not modules.
-MIGRATIONS = ROOT / "agentflow" / "_migrations"
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_][\w.]*)?")
 
 
 def product_modules() -> dict[str, Path]:
-    modules = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            if path.is_relative_to(MIGRATIONS):
-                continue
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join(parts)] = path
-    return modules
+    return project_modules(ROOT, PACKAGES)
 
 
 def _is_main_block(node: ast.AST) -> bool:
@@ -59,39 +49,8 @@ def _is_main_block(node: ast.AST) -> bool:
     )
 
 
-class ModuleFacts:
+class EntryFacts(ModuleFacts):
     """What one module's source says about which modules it makes run."""
-
-    def __init__(self, name: str, path: Path) -> None:
-        self.name = name
-        self.is_package = path.name == "__init__.py"
-        self.tree = ast.parse(path.read_text(), filename=str(path))
-
-    def _package(self) -> str:
-        return self.name if self.is_package else self.name.rpartition(".")[0]
-
-    def _absolute(self, node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        base = self._package().split(".")
-        base = base[: len(base) - (node.level - 1)]
-        return ".".join([*base, *([node.module] if node.module else [])])
-
-    def imports(self) -> Iterator[str]:
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Import):
-                yield from (alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                module = self._absolute(node)
-                yield module
-                yield from (f"{module}.{alias.name}" for alias in node.names)
-
-    def strings(self) -> list[str]:
-        return [
-            node.value
-            for node in ast.walk(self.tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-        ]
 
     def dotted_paths(self) -> Iterator[str]:
         """Module names written as strings: plain, `-m` arguments, and f-string prefixes."""
@@ -127,10 +86,10 @@ def console_scripts() -> list[str]:
 
 
 def reachable(modules: dict[str, Path]) -> set[str]:
-    facts = {name: ModuleFacts(name, path) for name, path in modules.items()}
+    facts = {name: EntryFacts(name, path) for name, path in modules.items()}
     start = {*console_scripts(), *ROOTS, *LIBRARY}
     for script in sorted(MIGRATIONS.resolve().rglob("*.py")) if MIGRATIONS.exists() else []:
-        start |= set(ModuleFacts("agentflow._migrations.script", script).imports())
+        start |= set(EntryFacts("agentflow._migrations.script", script).imports())
     start |= {name for name, f in facts.items() if f.is_entry_point()}
     seen: set[str] = set()
     todo = [m for m in start if m in modules]
@@ -151,7 +110,7 @@ def reachable(modules: dict[str, Path]) -> set[str]:
 
 def test_every_product_module_is_reached_from_the_product() -> None:
     modules = product_modules()
-    assert "agentflow.cli" in modules and "envs.registry" in modules
+    assert "trainer.cli" in modules and "envs.registry" in modules
     unreached = sorted(set(modules) - reachable(modules))
     assert not unreached, (
         "product modules that only tests or benchmarks import (move them to tests/support/ "
@@ -162,6 +121,12 @@ def test_every_product_module_is_reached_from_the_product() -> None:
 def test_the_walk_sees_imports_strings_and_f_string_prefixes() -> None:
     modules = product_modules()
     found = reachable(modules)
-    assert {"agentflow.cli", "agentflow.api.app", "envs.server", "sandbox.service"} <= found
+    assert {
+        "trainer.cli",
+        "agentflow.cli",
+        "agentflow.api.app",
+        "envs.server",
+        "sandbox.service",
+    } <= found
     assert "envs.builtin.guess_number" in found  # registered as f"envs.builtin.{entry}"
     assert "agentflow" in found and "agentflow.api" in found  # packages of reached modules

@@ -64,10 +64,11 @@ def needs_ranks(config: RunConfig) -> bool:
 ARGV_ENV = "AGENTFLOW_RANK_ARGV"
 
 
-def launch(ranks: int, argv: Sequence[str]) -> int:
-    """Run `agentflow ARGV` as `ranks` torchrun processes on this machine; their exit code.
+def launch(ranks: int, module: str, argv: Sequence[str]) -> int:
+    """Run `python -m MODULE` (the `agentflow` command) as `ranks` torchrun processes on
+    this machine, each given `argv`; their exit code.
 
-    The arguments travel in the environment (`rank_main`): torchrun's own parser would
+    The arguments travel in the environment (`ARGV_ENV`): torchrun's own parser would
     read `--run` as an abbreviation of one of its options."""
     command = [
         sys.executable,
@@ -76,17 +77,10 @@ def launch(ranks: int, argv: Sequence[str]) -> int:
         "--standalone",
         f"--nproc_per_node={ranks}",
         "-m",
-        "trainer.ranks",
+        module,
     ]
     env = {**os.environ, ARGV_ENV: json.dumps(list(argv))}
     return subprocess.run(command, env=env, check=False).returncode
-
-
-def rank_main() -> None:
-    """One rank: the `agentflow` command `launch` was given."""
-    from agentflow.cli import app
-
-    app(args=json.loads(os.environ[ARGV_ENV]), prog_name="agentflow")
 
 
 def join(device: str, ranks: int) -> str:
@@ -259,7 +253,3 @@ class LeaderPolicy:
     def stop(self) -> None:
         """Release the other ranks (`follow` returns)."""
         _exchange(("stop", None))
-
-
-if __name__ == "__main__":
-    rank_main()

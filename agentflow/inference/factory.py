@@ -48,12 +48,10 @@ def _built_here(path: Path) -> bool:
 
 
 def build_engine(config: RunConfig) -> tuple[Engine, int]:
-    """The run's policy engine and its context length: with `[placement] ray`, a pool of
-    engine actors (Ray is imported only then)."""
-    if config.placement.ray:
-        from agentflow.placement.engines import place_engines
-
-        return place_engines(config)
+    """One engine of the run's `[engine]` and its context length: the local engine in
+    this process, or the client of SGLang servers. A run placed on Ray (`[placement]
+    ray`) gets a pool of engine actors instead (`agentflow.placement.engines`), each of
+    which builds its engine here."""
     engine_config = config.engine
     if isinstance(engine_config, LocalEngineConfig):
         from agentflow.inference.local import LocalEngine

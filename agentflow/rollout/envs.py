@@ -15,7 +15,6 @@ from agentflow.errors import InvalidInput
 from agentflow.run_config import EnvEntry
 from envs import registry
 from envs.base import Env
-from envs.specs import parse_spec
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class EnvSource:
             return self.make_env()
         if self.kind is None:
             return registry.make(self.ref, **self.kwargs)
-        return registry.resolve(parse_spec(self.kind, self.spec))
+        return registry.resolve(registry.parse_spec(self.kind, self.spec))
 
 
 async def resolve_env_sources(

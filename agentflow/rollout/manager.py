@@ -26,6 +26,7 @@ from agentflow.errors import Conflict, InvalidInput, WeightsNotFound
 from agentflow.inference.base import (
     BROADCAST_URI_PREFIX,
     BroadcastReceiver,
+    Engine,
     PauseMode,
     SamplingParams,
     WeightGroup,
@@ -338,7 +339,13 @@ def _build_runtime(config: RunConfig) -> PolicyRuntime:
     import_model_classes()  # runs recovering together build engines in parallel threads
 
     template = build_template(config)
-    engine, max_context = build_engine(config)
+    engine: Engine
+    if config.placement.ray:  # a pool of engine actors; Ray is imported only then
+        from agentflow.placement.engines import place_engines
+
+        engine, max_context = place_engines(config)
+    else:
+        engine, max_context = build_engine(config)
     sampling = SamplingParams(
         temperature=config.agent.temperature,
         max_new_tokens=config.agent.max_new_tokens,

@@ -59,8 +59,6 @@ from envs.browser.task import BrowserTask, TaskStatus
 if TYPE_CHECKING:
     from playwright.async_api import Page
 
-    from envs.specs import BrowserEnvSpec
-
 MAX_ERROR_CHARS = 160
 
 
@@ -289,18 +287,3 @@ async def _title(page: Page) -> str:
 
 def _short(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def from_spec(spec: BrowserEnvSpec) -> BrowserEnv:
-    """The env a registered `browser` spec describes (on the shared pool)."""
-    from envs.browser.miniwob import MiniWoBTask
-
-    name = spec.task.removeprefix("miniwob/").removesuffix("-v0")
-    return BrowserEnv(
-        MiniWoBTask(name),
-        screenshots=spec.screenshots,
-        compact_chars=spec.compact_chars,
-        recycle_pages=spec.recycle_pages,
-        action_timeout_ms=spec.action_timeout_ms,
-        viewport=spec.viewport,
-    )

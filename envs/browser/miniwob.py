@@ -19,8 +19,8 @@ task. A page the agent navigated away from, or that opened another tab, is close
 instead. `tests/integration/browser/test_browser_recycle.py` checks that a recycled
 page's first observation equals a fresh page's for the same seed.
 
-This module imports neither Playwright nor the registry at import time: the registry
-imports it to list the tasks.
+This module imports Playwright only when a page is driven: the browser family
+(envs/browser/family.py) imports it to list the tasks and register their ids.
 """
 
 from __future__ import annotations
@@ -166,21 +166,3 @@ def make_env(task: str, **kwargs: Any) -> BrowserEnv:
     from envs.browser.env import BrowserEnv
 
     return BrowserEnv(MiniWoBTask(task), **kwargs)
-
-
-def register_miniwob_tasks() -> None:
-    """Register every shipped task as `miniwob/<task>-v0`, with its oracle when it has one."""
-    from envs import registry
-    from envs.browser.oracles import ORACLES
-
-    for name in task_names():
-        oracle = ORACLES.get(name)
-        registry.register(
-            f"miniwob/{name}-v0",
-            "envs.browser.miniwob:make_env",
-            kwargs={"task": name},
-            max_episode_steps=MAX_EPISODE_STEPS,
-            oracle=f"envs.browser.oracles:{oracle.__name__}" if oracle else None,
-            description=f"MiniWoB++ {name}",
-            replace=True,
-        )

@@ -43,8 +43,6 @@ from envs.desktop.tasks import DesktopTask, get_task
 if TYPE_CHECKING:
     from playwright.async_api import BrowserContext, Page
 
-    from envs.specs import DesktopEnvSpec
-
 MAX_DESKTOPS_ENV_VAR = "AGENTFLOW_MAX_DESKTOPS"
 
 
@@ -293,16 +291,4 @@ def make_env(
         screen=tuple(screen),  # type: ignore[arg-type]
         settle_ms=settle_ms,
         wait_s=wait_s,
-    )
-
-
-def from_spec(spec: DesktopEnvSpec) -> DesktopEnv:
-    """The env a registered `desktop` spec describes."""
-    return make_env(
-        spec.task.removeprefix("desktop/").removesuffix("-v0"),
-        novnc_url=None if spec.novnc_url is None else str(spec.novnc_url),
-        state_url=None if spec.state_url is None else str(spec.state_url),
-        screen=spec.screen,
-        settle_ms=spec.settle_ms,
-        wait_s=spec.wait_s,
     )

@@ -9,8 +9,8 @@ sends (a click into the terminal at :data:`TERMINAL_POINT`, typing, DONE).
 Infeasible tasks (OSWorld's convention) have no checker: they pass only when the
 episode's last action is FAIL. Feasible ones fail on FAIL and are checked on DONE.
 
-This module imports neither Playwright nor the registry at import time:
-:func:`register_desktop_tasks` imports the registry when called.
+This module imports neither Playwright nor the registry: the desktop family
+(envs/desktop/family.py) registers an env id per task.
 """
 
 from __future__ import annotations
@@ -176,23 +176,3 @@ def oracle(observations: Sequence[Observation]) -> ComputerAction:
         if fields is not None:
             return task.solve(fields, len(observations) - 1)
     raise ValueError(f"no desktop task has the instruction {instruction!r}")
-
-
-def register_desktop_tasks() -> list[str]:
-    """Register `desktop/<task>-v0` for every task (idempotent); the ids."""
-    from envs import registry
-
-    ids = []
-    for name in task_names():
-        env_id = f"desktop/{name}-v0"
-        registry.register(
-            env_id,
-            "envs.desktop.env:make_env",
-            kwargs={"task": name},
-            max_episode_steps=MAX_EPISODE_STEPS,
-            oracle="envs.desktop.tasks:oracle",
-            description=TASKS[name].instruction,
-            replace=True,
-        )
-        ids.append(env_id)
-    return ids

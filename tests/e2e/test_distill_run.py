@@ -60,7 +60,7 @@ def _config(tmp_path: Path, **trainer: Any) -> dict[str, Any]:
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agentflow.cli", *args],
+        [sys.executable, "-m", "trainer.cli", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -113,7 +113,7 @@ def run_trainer(config_file: Path, url: str, run_id: str) -> subprocess.Complete
     """`agentflow trainer CONFIG --gateway URL --run ID`, run to its end; it must succeed."""
     trainer = subprocess.run(
         [
-            sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
+            sys.executable, "-m", "trainer.cli", "trainer", str(config_file),
             "--gateway", url, "--run", run_id,
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

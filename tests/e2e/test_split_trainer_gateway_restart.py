@@ -59,7 +59,7 @@ def test_the_trainer_rides_out_a_gateway_restart(sqlite_database: str, tmp_path:
         with trainer_log.open("wb") as out:
             trainer = subprocess.Popen(
                 [
-                    sys.executable, "-m", "agentflow.cli", "trainer", str(config_file),
+                    sys.executable, "-m", "trainer.cli", "trainer", str(config_file),
                     "--gateway", url, "--run", run_id, "--retry-window-s", "120",
                 ],
                 env={**os.environ, "OMP_NUM_THREADS": "1"},

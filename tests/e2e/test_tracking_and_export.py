@@ -44,7 +44,7 @@ def train(config: Path, text: str) -> None:
     """`agentflow train` on `text`, written to `config`; it must succeed."""
     config.write_text(text)
     done = subprocess.run(
-        [sys.executable, "-m", "agentflow.cli", "train", str(config)],
+        [sys.executable, "-m", "trainer.cli", "train", str(config)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -63,7 +63,7 @@ def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None
     before = _actor_processes()
     (tmp_path / "placed.toml").write_text(CONFIG)
     done = subprocess.run(
-        [sys.executable, "-m", "agentflow", "train", "placed.toml"],
+        [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -97,7 +97,7 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
     metrics = tmp_path / "runs" / "placed" / "metrics.jsonl"
     others = _trainer_pids()
     with subprocess.Popen(
-        [sys.executable, "-m", "agentflow", "train", "placed.toml"],
+        [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE,

@@ -42,7 +42,7 @@ run_dir = "{run_dir}"
 
 
 def _train(config: Path) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "agentflow.cli", "train", str(config)]
+    command = [sys.executable, "-m", "trainer.cli", "train", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

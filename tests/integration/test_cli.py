@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.cli import app
 from tests.integration.test_serve import _server
+from trainer.cli import app
 
 pytestmark = pytest.mark.integration
 

@@ -41,7 +41,7 @@ def gateway_process(
     with contextlib.ExitStack() as files:
         out = files.enter_context(log.open("ab")) if log else subprocess.DEVNULL
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentflow", "serve", "--port", str(port)],
+            [sys.executable, "-m", "trainer.cli", "serve", "--port", str(port)],
             env=env,
             cwd=cwd,
             stdout=out,

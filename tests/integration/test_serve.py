@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-AGENTFLOW = [sys.executable, "-m", "agentflow"]
+AGENTFLOW = [sys.executable, "-m", "trainer.cli"]
 
 
 def _free_port() -> int:

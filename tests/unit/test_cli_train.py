@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.cli import app
 from tests.unit.test_run_config import BASE, NOT_AVAILABLE, REFUSED
+from trainer.cli import app
 
 
 @pytest.mark.parametrize(

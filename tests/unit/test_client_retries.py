@@ -19,11 +19,11 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.cli import app
 from agentflow.client import AsyncClient, GatewayUnavailable, RetryingTransport, RetryPolicy
 from agentflow.errors import InvalidInput, NotFound
 from tests.integration.test_serve import _free_port
 from tests.unit.test_cli_train import _config
+from trainer.cli import app
 
 FAST = RetryPolicy(window_s=10.0, first_wait_s=0.01, max_wait_s=0.05)
 DROP = "drop"  # close the connection without an answer

@@ -9,7 +9,7 @@ import sys
 
 def test_gateway_imports_without_torch() -> None:
     code = (
-        "import sys, agentflow.api.app, agentflow.cli, agentflow.client, agentflow.inference.base;"
+        "import sys, agentflow.api.app, trainer.cli, agentflow.client, agentflow.inference.base;"
         "bad = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules];"
         "assert not bad, bad"
     )

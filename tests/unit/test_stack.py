@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.cli import app
 from agentflow.stack import Stack, StackError, debian_mirror
+from trainer.cli import app
 
 
 def test_mirror_from_a_deb822_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

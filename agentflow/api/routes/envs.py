@@ -15,12 +15,12 @@ from agentflow.api.deps import API_KEY, SessionDep
 from agentflow.api.errors import validation_error
 from agentflow.api.routing import GatewayRoute
 from agentflow.api.schemas.common import Page
-from agentflow.api.schemas.envs import EnvCreate, EnvPublic, EnvUpdate
+from agentflow.api.schemas.envs import EnvCreate, EnvKind, EnvPublic, EnvUpdate
 from agentflow.api.schemas.runs import ACTIVE_RUN_STATUSES
 from agentflow.db.models import Environment, Run, RunEnvironment
 from agentflow.db.session import read_connection
 from agentflow.errors import Conflict, NotFound
-from envs.specs import EnvKind, parse_spec
+from envs.registry import parse_spec
 
 router = APIRouter(prefix="/v1/envs", tags=["envs"], route_class=GatewayRoute, dependencies=API_KEY)
 

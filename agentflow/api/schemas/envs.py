@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from envs.specs import EnvKind
+from envs import registry
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
+
+
+def _registered_kind(value: str) -> str:
+    registry.kind(value)  # ValueError naming the kinds there are
+    return value
+
+
+EnvKind = Annotated[
+    str,
+    Field(
+        max_length=16,
+        description="a kind an env family registered (envs.registry.kinds()): python, "
+        "http, container, browser, desktop, and any an installed family adds",
+    ),
+    AfterValidator(_registered_kind),
+]
 
 
 class ToolFunction(BaseModel):
@@ -40,7 +56,9 @@ class EnvCreate(BaseModel):
     name: str = Field(pattern=NAME_PATTERN, description="letters, digits, `._/-`")
     version: str = Field(default="1", pattern=VERSION_PATTERN)
     kind: EnvKind
-    spec: dict[str, Any] = Field(description="validated by kind, see envs/specs.py")
+    spec: dict[str, Any] = Field(
+        description="validated by the kind's model (envs/specs.py and the families')"
+    )
     tools: list[Tool] = Field(default_factory=list, max_length=256)
     max_concurrency: int = Field(default=64, ge=1, le=100_000)
     step_timeout_s: float = Field(default=60.0, gt=0, le=86_400)

@@ -49,7 +49,7 @@ def service(runtime_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     }
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentflow", "desktop", "serve"],
+        [sys.executable, "-m", "trainer.cli", "desktop", "serve"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

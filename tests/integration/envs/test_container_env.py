@@ -5,8 +5,8 @@ from urllib.parse import urlparse
 import pytest
 
 from envs import registry
+from envs.registry import parse_spec
 from envs.server import create_app
-from envs.specs import parse_spec
 from tests.support.play import play_episode
 from tests.unit.envs.fakes import RecordingDockerClient
 

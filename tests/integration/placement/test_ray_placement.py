@@ -17,7 +17,7 @@ from agentflow.client import AsyncClient
 from agentflow.config import Settings
 from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef, WeightUpdate
 from agentflow.modeling import ModelInit, build_model, save_model
-from agentflow.placement.engines import RayEngine, RayEnginePool
+from agentflow.placement.engines import RayEngine, RayEnginePool, place_engines
 from agentflow.run_config import RunConfig
 
 ray = pytest.importorskip("ray")
@@ -81,10 +81,8 @@ async def ended(api: AsyncClient, run_id: uuid.UUID, n: int) -> bool:
 
 
 async def test_engine_actors_route_by_session_and_take_weights(cluster: None) -> None:
-    from agentflow.inference.factory import build_engine
-
     config = RunConfig.model_validate(run_config())
-    pool, max_context = await asyncio.to_thread(build_engine, config)
+    pool, max_context = await asyncio.to_thread(place_engines, config)
     try:
         assert isinstance(pool, RayEnginePool) and max_context == 256
         pids = {(await e.actor.ready.remote())["pid"] for e in pool.engines() if e is not None}
@@ -286,10 +284,9 @@ async def test_engines_the_cluster_cannot_hold_are_refused_saying_so(
     cluster: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from agentflow.errors import EngineUnavailable
-    from agentflow.inference.factory import build_engine
     from agentflow.placement import engines
 
     monkeypatch.setattr(engines, "_GROUP_TIMEOUT_S", 2.0)
     config = RunConfig.model_validate(run_config(engine_gpus=1))  # a cluster with no GPU
     with pytest.raises(EngineUnavailable, match="cannot hold 2 engine actors"):
-        await asyncio.to_thread(build_engine, config)
+        await asyncio.to_thread(place_engines, config)

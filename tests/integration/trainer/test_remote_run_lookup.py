@@ -209,7 +209,7 @@ def test_the_trainer_command_without_run_names_the_run_it_takes_up(
     config_file = tmp_path / "run.json"
     config_file.write_text(json.dumps(_config(name, group_size=4)))
     trainer = subprocess.run(
-        [sys.executable, "-m", "agentflow.cli", "trainer", str(config_file), "--gateway", gateway],
+        [sys.executable, "-m", "trainer.cli", "trainer", str(config_file), "--gateway", gateway],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

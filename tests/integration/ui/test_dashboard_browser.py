@@ -152,7 +152,7 @@ async def test_the_dashboard_shows_a_real_run(
         await expect(page.locator("figure[data-chart=reward]")).to_be_visible()
         assert await reward_points.count() == 0
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "agentflow.cli", "trainer", str(config)]
+            [sys.executable, "-m", "trainer.cli", "trainer", str(config)]
             + ["--gateway", url, "--run", run_id, "--api-key", KEY],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,

@@ -35,7 +35,7 @@ def test_train_serves_the_dashboard_while_it_trains(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("AGENTFLOW_API_KEY", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentflow.cli", "train", str(config), "--ui-port", "0"],
+        [sys.executable, "-m", "trainer.cli", "train", str(config), "--ui-port", "0"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

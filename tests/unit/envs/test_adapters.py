@@ -9,6 +9,7 @@ from envs.adapters.as_gymnasium import GymnasiumEnv, register_with_gymnasium
 from envs.adapters.gym_text import GymTextEnv
 from envs.adapters.textarena_games import TextArenaGame
 from envs.base import TextAction
+from envs.builtin.family import BUILTIN_ENVS
 from tests.unit.envs.fakes import SubprocessSandbox
 
 
@@ -75,7 +76,7 @@ async def test_textarena_fixed_opponent_is_reproducible() -> None:
 
 @pytest.mark.parametrize(
     "env_id",
-    [*registry.BUILTIN_ENVS, "gymnasium/FrozenLake-v1", "textarena/TicTacToe-v0"],
+    [*BUILTIN_ENVS, "gymnasium/FrozenLake-v1", "textarena/TicTacToe-v0"],
 )
 def test_our_envs_pass_gymnasium_check_env(env_id: str) -> None:
     defaults = {"sandbox_factory": SubprocessSandbox} if "calc" in env_id else {}

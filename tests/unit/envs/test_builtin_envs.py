@@ -19,6 +19,7 @@ from envs.base import (
     ToolCallsAction,
 )
 from envs.builtin.calc_tool import CalcToolEnv
+from envs.builtin.family import BUILTIN_ENVS
 from envs.builtin.guess_number import GuessNumberEnv
 from envs.builtin.lookup import NAMES, PETS, LookupEnv
 from tests.support.play import play_episode
@@ -60,7 +61,7 @@ def random_policy(env_id: str, seed: int):
     return policy
 
 
-@pytest.mark.parametrize("env_id", registry.BUILTIN_ENVS)
+@pytest.mark.parametrize("env_id", BUILTIN_ENVS)
 async def test_oracle_solves_every_episode_and_random_does_clearly_worse(env_id: str) -> None:
     env = make(env_id)
     oracle = registry.oracle(env_id)
@@ -121,7 +122,7 @@ async def test_guess_number_truncates_without_reward() -> None:
 
 
 async def test_same_seed_same_task() -> None:
-    for env_id in registry.BUILTIN_ENVS:
+    for env_id in BUILTIN_ENVS:
         a, b = make(env_id), make(env_id)
         first_a, first_b = await a.reset(seed=11), await b.reset(seed=11)
         assert first_a.observation == first_b.observation

@@ -7,7 +7,8 @@ import pytest
 from envs import registry
 from envs.base import EnvError, EpisodeFinished, TextAction
 from envs.container import LABEL, ContainerEnv
-from envs.specs import ContainerEnvSpec, parse_spec
+from envs.registry import parse_spec
+from envs.specs import ContainerEnvSpec
 from tests.unit.envs.fakes import RecordingDockerClient
 
 

@@ -10,9 +10,11 @@ from pydantic import ValidationError
 
 from envs.base import ComputerAction, Message, Observation
 from envs.desktop.checkers import Check, Checker, CommandOutput, FileContent
+from envs.desktop.family import register as register_desktop_tasks
 from envs.desktop.provider import CommandResult, DesktopShell
-from envs.desktop.tasks import TASKS, oracle, register_desktop_tasks, task_names
-from envs.specs import DesktopEnvSpec, parse_spec
+from envs.desktop.spec import DesktopEnvSpec
+from envs.desktop.tasks import TASKS, oracle, task_names
+from envs.registry import parse_spec
 
 
 class MemoryShell:

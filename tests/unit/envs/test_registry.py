@@ -6,7 +6,7 @@ from envs import registry
 from envs.base import EnvConfigError, EpisodeFinished, TextAction, UnknownEnv
 from envs.builtin.guess_number import GuessNumberEnv
 from envs.client import RemoteEnv
-from envs.specs import parse_spec
+from envs.registry import parse_spec
 
 
 @pytest.mark.parametrize("env_id", ["agentflow/guess-number-v0", "lab/Maze_2-v12", "a.b/x-v0"])
@@ -107,8 +107,9 @@ async def test_resolve_each_kind() -> None:
     made = registry.resolve(browser)  # the built-in resolver: nothing starts before reset
     assert type(made).__name__ == "BrowserEnv"
     await made.close()
-    registry.register_kind_resolver("browser", lambda spec: GuessNumberEnv())
+    family = registry.kind("browser")  # a kind's resolver can be replaced
+    registry.register_kind("browser", family.spec, lambda spec: GuessNumberEnv(), replace=True)
     try:
         assert isinstance(registry.resolve(browser), GuessNumberEnv)
     finally:
-        registry._kind_resolvers.pop("browser")
+        registry.register_kind("browser", family.spec, family.resolver, replace=True)

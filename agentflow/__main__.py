@@ -1,3 +1,0 @@
-from agentflow.cli import main
-
-main()
