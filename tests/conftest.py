@@ -20,6 +20,56 @@ from tests.support.scratch_db import DEFAULT_ADMIN_URL, scratch_database
 
 PG_ADMIN_URL = os.environ.get("AGENTFLOW_TEST_PG_URL", DEFAULT_ADMIN_URL)
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Several workers share the cores: torch in each (and in the processes its tests
+    # start) takes one thread rather than all of them. Set before torch is imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# Under pytest-xdist (the README's test command: `-n 4 --dist loadgroup`), the units of
+# work a worker takes one after another, longest first.
+_SHARED_RESOURCE = 0  # tests of one machine-wide resource: one worker, in turn
+_MODULE = 1  # a module whose fixtures outlive a test: on one worker, set up once
+_SINGLE = 2  # every other test, spread one by one
+
+
+def _work_unit(item: pytest.Item, modules_with_shared_fixtures: set[str]) -> tuple[int, str]:
+    if "docker_engine" in getattr(item, "fixturenames", ()) or item.get_closest_marker("docker"):
+        # The Docker engine is started by the first test that needs one and stopped with
+        # that worker's session.
+        return _SHARED_RESOURCE, "docker"
+    if item.get_closest_marker("ray") is not None:
+        return _SHARED_RESOURCE, "ray"  # its tests look for the cluster's processes
+    module = item.nodeid.split("::")[0]
+    if module in modules_with_shared_fixtures:
+        return _MODULE, module
+    return _SINGLE, ""
+
+
+def _shares_fixtures(item: pytest.Item) -> bool:
+    """Whether a fixture of `item` lives longer than the test (module, package, class):
+    its module's tests on several workers would each set it up again."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        definitions[-1].scope in ("module", "package", "class")
+        for definitions in info.name2fixturedefs.values()
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests into xdist's units of work (`xdist_group`) and order the units so
+    the long ones start first; without xdist the marks do nothing and only the order
+    changes (each test stands alone)."""
+    shared = {item.nodeid.split("::")[0] for item in items if _shares_fixtures(item)}
+    units = {item.nodeid: _work_unit(item, shared) for item in items}
+    for item in items:
+        rank, group = units[item.nodeid]
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: units[item.nodeid][0])  # stable: modules stay in order
+
 
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:

@@ -124,7 +124,7 @@ def test_serve_refuses_to_start_without_a_key(runtime_dir: Path) -> None:
     argv = [
         sys.executable,
         "-m",
-        "agentflow",
+        "trainer.cli",
         "desktop",
         "serve",
         "--runtime-dir",

@@ -46,7 +46,7 @@ class Backend:
     client: Any = None
 
 
-@pytest.fixture(params=["bwrap", "docker"])
+@pytest.fixture(params=["bwrap", pytest.param("docker", marks=pytest.mark.docker)])
 def backend(request: pytest.FixtureRequest) -> Backend:
     """Each test that uses this runs against bwrap and against a real Docker engine."""
     if request.param == "bwrap":
