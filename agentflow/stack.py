@@ -26,9 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -45,6 +47,7 @@ PROFILES = ("cpu", "gpu")
 IMAGE_EXTRAS = ("torch", "envs", "docker")
 # The images' Python is Debian bookworm's; the wheelhouse must be built for the same one.
 IMAGE_PYTHON = (3, 11)
+WHEEL_DATE_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip file holds
 PROJECT_LABEL = "com.docker.compose.project"
 SERVICE_LABEL = "com.docker.compose.service"
 
@@ -228,14 +231,36 @@ def build_sandbox_runtime_image(
     return name
 
 
+def _image_requirements(project: Mapping[str, Any], extras: Sequence[str]) -> list[str]:
+    """The requirements the images install: the project's and those of `extras`, an
+    extra that names this project's own extras (`agentflow[docker]`) followed."""
+    optional = project.get("optional-dependencies", {})
+    found, todo, seen = list(project.get("dependencies", [])), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for requirement in optional.get(extra, []):
+            name, _, rest = requirement.partition("[")
+            if name.strip() == project["name"]:
+                todo += [e.strip() for e in rest.partition("]")[0].split(",")]
+            else:
+                found.append(requirement)
+    return sorted(found)
+
+
 def _deps_key(project_dir: Path) -> str:
-    digest = hashlib.sha256((project_dir / "pyproject.toml").read_bytes())
-    digest.update(",".join(IMAGE_EXTRAS).encode())
-    return digest.hexdigest()
+    """What the deps wheelhouse (and the image layer that installs it) is built from: the
+    requirements alone, so a change elsewhere in pyproject.toml (a tool's settings, a
+    test dependency) rebuilds neither."""
+    project = tomllib.loads((project_dir / "pyproject.toml").read_text())["project"]
+    requirements = _image_requirements(project, IMAGE_EXTRAS)
+    return hashlib.sha256("\n".join(requirements).encode()).hexdigest()
 
 
 def build_wheelhouse(project_dir: Path) -> Path:
-    """``docker/wheels/``: deps (when pyproject.toml changed) and this project's wheel."""
+    """``docker/wheels/``: deps (when the requirements changed) and this project's wheel."""
     if sys.version_info[:2] != IMAGE_PYTHON:
         version = ".".join(map(str, IMAGE_PYTHON))
         raise StackError(
@@ -244,14 +269,23 @@ def build_wheelhouse(project_dir: Path) -> Path:
         )
     wheels = project_dir / "docker" / "wheels"
     deps, own = wheels / "deps", wheels / "agentflow"
-    stamp = deps / ".pyproject-sha256"
+    stamp = deps / ".requirements-sha256"
     key = _deps_key(project_dir)
     pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check"]
+    # Wheels built here carry this date, not the files' own: the same source gives the
+    # same bytes, so the image layer that installs them is reused, and the layers after it
+    # (the desktop image's packages) with it.
+    reproducible = {"SOURCE_DATE_EPOCH": WHEEL_DATE_EPOCH}
     if not (stamp.is_file() and stamp.read_text() == key):
         shutil.rmtree(deps, ignore_errors=True)
         deps.mkdir(parents=True)
         target = f"{project_dir}[{','.join(IMAGE_EXTRAS)}]"
-        _run([*pip, "--wheel-dir", str(deps), target], timeout=3600, what="pip wheel (deps)")
+        _run(
+            [*pip, "--wheel-dir", str(deps), target],
+            env=reproducible,
+            timeout=3600,
+            what="pip wheel (deps)",
+        )
         for built in deps.glob("agentflow-*.whl"):
             built.unlink()  # this project's wheel goes in its own layer
         stamp.write_text(key)
@@ -259,6 +293,7 @@ def build_wheelhouse(project_dir: Path) -> Path:
     own.mkdir(parents=True)
     _run(
         [*pip, "--no-deps", "--wheel-dir", str(own), str(project_dir)],
+        env=reproducible,
         timeout=600,
         what="pip wheel (agentflow)",
     )

@@ -58,6 +58,7 @@ def _shares_fixtures(item: pytest.Item) -> bool:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Group the tests into xdist's units of work (`xdist_group`) and order the units so
     the long ones start first; without xdist the marks do nothing and only the order
@@ -69,6 +70,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: units[item.nodeid][0])  # stable: modules stay in order
+
+
+_UNGROUPED: set[str] = set()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under `--dist loadgroup`, note the grouped tests xdist did not
+    take as grouped (it marks a grouped test's id with `@group`)."""
+    if getattr(session.config.option, "loadgroup", False):
+        _UNGROUPED.update(
+            item.nodeid
+            for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+        )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail, rather than run side by side on several workers, the Docker and Ray tests
+    that xdist did not group."""
+    if item.nodeid in _UNGROUPED:
+        pytest.fail(
+            "pytest-xdist did not group this test (this pytest and pytest-xdist do not work "
+            "together): install the versions pyproject.toml names",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ Used by `tests/test_import_layers.py` (one direction, no circles) and
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,12 @@ def project_modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
     return modules
 
 
+@functools.lru_cache(maxsize=4096)
+def _parsed(path: Path, mtime_ns: int) -> ast.Module:
+    """A source file's tree, parsed once per process while the file is unchanged."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 class ModuleFacts:
     """What one module's source says about the modules it imports or names."""
 
@@ -44,7 +51,7 @@ class ModuleFacts:
         self.name = name
         self.path = path
         self.is_package = path.name == "__init__.py"
-        self.tree = ast.parse(path.read_text(), filename=str(path))
+        self.tree = _parsed(path, path.stat().st_mtime_ns)
 
     def _package(self) -> str:
         return self.name if self.is_package else self.name.rpartition(".")[0]

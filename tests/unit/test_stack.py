@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.stack import Stack, StackError, debian_mirror
+from agentflow.stack import Stack, StackError, _deps_key, debian_mirror
 from trainer.cli import app
 
 
@@ -48,3 +48,21 @@ def test_a_directory_without_a_compose_file_is_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["stack", "down", "--project-dir", str(tmp_path)])
     assert result.exit_code == 1
     assert "no docker-compose.yml" in result.output
+
+
+def test_the_deps_key_follows_the_image_requirements_only(tmp_path: Path) -> None:
+    def key(dependencies: str, extras: str, tool: str = "") -> str:
+        (tmp_path / "pyproject.toml").write_text(
+            f'[project]\nname = "agentflow"\ndependencies = [{dependencies}]\n'
+            f"[project.optional-dependencies]\n{extras}\n{tool}"
+        )
+        return _deps_key(tmp_path)
+
+    extras = 'torch = ["torch==2.13.0"]\nenvs = []\ndocker = []\ndev = ["pytest"]'
+    base = key('"httpx"', extras)
+    assert key('"httpx"', extras, "[tool.pytest.ini_options]\naddopts = '-x'") == base
+    assert key('"httpx"', extras.replace('"pytest"', '"pytest<9"')) == base  # not an image's
+    assert key('"httpx>=0.28"', extras) != base
+    assert key('"httpx"', extras.replace("envs = []", 'envs = ["agentflow[lora]"]')) == base
+    lora = extras.replace("envs = []", 'envs = ["agentflow[lora]"]') + '\nlora = ["peft"]'
+    assert key('"httpx"', lora) != base  # an extra named through the project's own extras
