@@ -8,6 +8,7 @@ afterwards, so parallel runs and other users of the server never collide.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from tests.support.scratch_db import DEFAULT_ADMIN_URL, scratch_database
 
 PG_ADMIN_URL = os.environ.get("AGENTFLOW_TEST_PG_URL", DEFAULT_ADMIN_URL)
 
+# The suite starts hundreds of Python processes (gateways, trainers, Ray's workers); where
+# the environment forbids writing bytecode, each compiles this project's modules again, and
+# each worker pytest's rewritten test modules. The caches go to __pycache__ (git ignores it).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Several workers share the cores: torch in each (and in the processes its tests
     # start) takes one thread rather than all of them. Set before torch is imported.
@@ -28,7 +35,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 # Under pytest-xdist (the README's test command: `-n 4 --dist loadgroup`), the units of
 # work a worker takes one after another, longest first.
-_SHARED_RESOURCE = 0  # tests of one machine-wide resource: one worker, in turn
+_SHARED_RESOURCE = 0  # the tests of a machine-wide resource: on one worker, in turn
 _MODULE = 1  # a module whose fixtures outlive a test: on one worker, set up once
 _SINGLE = 2  # every other test, spread one by one
 
@@ -38,8 +45,6 @@ def _work_unit(item: pytest.Item, modules_with_shared_fixtures: set[str]) -> tup
         # The Docker engine is started by the first test that needs one and stopped with
         # that worker's session.
         return _SHARED_RESOURCE, "docker"
-    if item.get_closest_marker("ray") is not None:
-        return _SHARED_RESOURCE, "ray"  # its tests look for the cluster's processes
     module = item.nodeid.split("::")[0]
     if module in modules_with_shared_fixtures:
         return _MODULE, module
@@ -87,8 +92,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Fail, rather than run side by side on several workers, the Docker and Ray tests
-    that xdist did not group."""
+    """Fail, rather than run side by side on several workers, the grouped tests that
+    xdist did not group."""
     if item.nodeid in _UNGROUPED:
         pytest.fail(
             "pytest-xdist did not group this test (this pytest and pytest-xdist do not work "

@@ -1,6 +1,10 @@
 """`agentflow train CONFIG --ray local` end to end: a Ray cluster started for the run,
 two engine actors behind the gateway, two trainer ranks as actors publishing by disk
-sync, and nothing of the cluster left once the command returns."""
+sync, and nothing of the cluster left once the command returns.
+
+The cluster's processes are told apart from any other Ray cluster on the machine (another
+test's) by a tag in their environment, which every process the command starts inherits:
+Ray's own daemons and its actors alike."""
 
 from __future__ import annotations
 
@@ -11,13 +15,14 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.integration, pytest.mark.ray]
+pytestmark = pytest.mark.integration
 
 CONFIG = """
 name = "placed"
@@ -54,18 +59,36 @@ trainer_cpus = 0.5
 """
 
 
-def _actor_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ray::EngineHost" in line or "raylet" in line]
+def _tagged(tag: str) -> dict[int, str]:
+    """Live processes whose environment carries `AGENTFLOW_TEST_TAG=tag`: pid -> command
+    line (Ray names an actor's process after it: `ray::TrainerRank...`)."""
+    needle = f"AGENTFLOW_TEST_TAG={tag}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if needle not in environ.read():  # a zombie's reads empty
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                found[int(entry)] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone while we looked
+            continue
+    return found
+
+
+def _command(tag: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "AGENTFLOW_TEST_TAG": tag}
 
 
 def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None:
-    before = _actor_processes()
+    tag = uuid.uuid4().hex
     (tmp_path / "placed.toml").write_text(CONFIG)
     done = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=_command(tag),
         capture_output=True,
         text=True,
         timeout=600,
@@ -91,20 +114,20 @@ def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None
     # Ray's worker processes end on their own once the raylet has gone, a moment after
     # the command returns (longer on a loaded machine): wait for them, not for ever.
     deadline = time.monotonic() + 30
-    while _actor_processes() != before and time.monotonic() < deadline:
+    while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _actor_processes() == before, "the cluster the command started is gone"
+    assert _tagged(tag) == {}, "the cluster the command started is gone"
 
 
 def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path) -> None:
     config = CONFIG.replace("steps = 3", "steps = 6").replace("ranks = 2", "ranks = 1")
     (tmp_path / "placed.toml").write_text(config)
     metrics = tmp_path / "runs" / "placed" / "metrics.jsonl"
-    others = _trainer_pids()
+    tag = uuid.uuid4().hex
     with subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=_command(tag),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -115,7 +138,7 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
                 assert command.poll() is None, command.stderr.read() if command.stderr else ""
                 assert time.monotonic() < deadline, "no third step"
                 time.sleep(0.2)
-            trainers = _trainer_pids() - others
+            trainers = [pid for pid, args in _tagged(tag).items() if "ray::TrainerRank" in args]
             assert len(trainers) == 1
             os.kill(trainers.pop(), signal.SIGKILL)
             out, err = command.communicate(timeout=600)
@@ -127,8 +150,3 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
     assert summary["trainer_restarts"] == 1
     assert summary["last_step"] == 6
     assert "starting the ranks again from the newest checkpoint" in out
-
-
-def _trainer_pids() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines() if "ray::TrainerRank" in line}

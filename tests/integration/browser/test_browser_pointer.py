@@ -130,8 +130,10 @@ async def test_an_element_that_cannot_take_a_click_fails_with_playwrights_reason
     lease: Lease, bid: str, why: str
 ) -> None:
     await _seen(lease.page)
+    # Long enough that Playwright checks the element at least once (and so names why it
+    # cannot click it) on a busy machine, not only "waiting for locator".
     with pytest.raises(PlaywrightError, match=why):
-        await _act(_tabs(lease, timeout_ms=300), f"click('{bid}')")
+        await _act(_tabs(lease, timeout_ms=1500), f"click('{bid}')")
     assert "click" not in [event[0] for event in await _seen(lease.page)]
 
 

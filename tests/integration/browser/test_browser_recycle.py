@@ -48,6 +48,7 @@ async def test_a_recycled_page_reads_as_a_fresh_one(pool: BrowserPool, task: str
         await _play_noisily(recycled, task, seed=11)
         assert recycled._lease is not None
         page = recycled._lease.page
+        await pool.settle()  # an earlier test's recycles, still running, count before this one
         before = pool.recycled
         await recycled._end_episode(wait=True)
         await pool.settle()  # the recycle runs in the background; the reset takes its page

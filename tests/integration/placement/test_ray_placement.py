@@ -22,7 +22,7 @@ from agentflow.run_config import RunConfig
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.integration, pytest.mark.ray]
+pytestmark = pytest.mark.integration
 
 TINY = {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}
 TERMINAL = {"completed", "truncated", "failed", "aborted"}
