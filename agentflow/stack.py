@@ -291,6 +291,9 @@ def build_wheelhouse(project_dir: Path) -> Path:
         stamp.write_text(key)
     shutil.rmtree(own, ignore_errors=True)
     own.mkdir(parents=True)
+    # setuptools builds in the checkout's build/ and keeps what it built before: a module
+    # deleted since would still ship in the wheel.
+    shutil.rmtree(project_dir / "build", ignore_errors=True)
     _run(
         [*pip, "--no-deps", "--wheel-dir", str(own), str(project_dir)],
         env=reproducible,
