@@ -49,6 +49,7 @@ IMAGE_EXTRAS = ("torch", "envs", "docker")
 IMAGE_PYTHON = (3, 11)
 WHEEL_DATE_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip file holds
 PROJECT_LABEL = "com.docker.compose.project"
+ONEOFF_LABEL = "com.docker.compose.oneoff"  # "True" on a `docker-compose run` container
 SERVICE_LABEL = "com.docker.compose.service"
 
 
@@ -395,7 +396,12 @@ class Stack:
         )
 
     def container(self, service: str) -> str | None:
-        ids = self.compose("ps", "-q", service).stdout.split()
+        """The service's container (not a one-off `run`), by the labels compose puts on
+        it: the docker CLI answers in a few ms where `docker-compose ps` takes most of a
+        second of CPU, and health is polled with this once a second per service."""
+        labels = {PROJECT_LABEL: self.name, SERVICE_LABEL: service, ONEOFF_LABEL: "False"}
+        filters = [arg for k, v in labels.items() for arg in ("--filter", f"label={k}={v}")]
+        ids = _run(["docker", "ps", "-a", "-q", *filters], timeout=60).stdout.split()
         return ids[0] if ids else None
 
     def state(self, service: str) -> dict[str, str]:
