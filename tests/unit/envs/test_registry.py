@@ -113,3 +113,64 @@ async def test_resolve_each_kind() -> None:
         assert isinstance(registry.resolve(browser), GuessNumberEnv)
     finally:
         registry.register_kind("browser", family.spec, family.resolver, replace=True)
+
+
+class _Point:
+    """An entry point of the `agentflow.envs` group, as importlib.metadata gives it."""
+
+    def __init__(self, name: str, register) -> None:
+        self.name, self._register = name, register
+
+    def load(self):
+        return self._register
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch):
+    """The registry as a new process finds it: no family loaded yet, python kind only."""
+    monkeypatch.setattr(registry, "_registry", {})
+    monkeypatch.setattr(registry, "_kinds", {"python": registry._kinds["python"]})
+    monkeypatch.setattr(registry, "_family_errors", {})
+    monkeypatch.setattr(registry, "_families_loaded", False)
+
+    def install(*points: _Point) -> None:
+        monkeypatch.setattr(registry, "entry_points", lambda group: list(points))
+
+    return install
+
+
+def test_families_load_on_first_use_and_a_broken_one_is_named(fresh_registry) -> None:
+    def good() -> None:
+        registry.register("lab/good-v0", GuessNumberEnv)  # a family's own calls re-enter
+
+    def broken() -> None:
+        raise ImportError("no module named 'suite'")
+
+    fresh_registry(_Point("good", good), _Point("broken", broken))
+    assert registry.registered() == ["lab/good-v0"]
+    with pytest.raises(UnknownEnv, match="env family 'broken' failed to load: ImportError"):
+        registry.make("lab/missing-v0")
+
+
+def test_without_any_family_the_error_says_to_install_the_package(fresh_registry) -> None:
+    fresh_registry()
+    with pytest.raises(UnknownEnv, match="no env families are installed"):
+        registry.spec("agentflow/guess-number-v0")
+
+
+def test_kinds_come_from_families_and_are_checked(fresh_registry) -> None:
+    from envs.specs import HttpEnvSpec
+
+    def http_family() -> None:
+        registry.register_kind("http", HttpEnvSpec, lambda spec: GuessNumberEnv())
+
+    fresh_registry(_Point("http", http_family))
+    assert registry.kinds() == ["http", "python"]
+    with pytest.raises(ValueError, match=r"unknown env kind 'browser'; expected one of \("):
+        registry.parse_spec("browser", {"task": "miniwob/click-button-v0"})
+    with pytest.raises(EnvConfigError, match="already registered"):
+        registry.register_kind("http", HttpEnvSpec, lambda spec: GuessNumberEnv())
+    with pytest.raises(EnvConfigError, match="invalid env kind"):
+        registry.register_kind("Not A Kind", HttpEnvSpec, lambda spec: GuessNumberEnv())
+    spec = registry.parse_spec("http", {"url": "http://127.0.0.1:9/"})
+    assert isinstance(registry.resolve(spec), GuessNumberEnv)
