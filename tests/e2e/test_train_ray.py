@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import TAG_ENV, tagged
+
 pytest.importorskip("ray")
 
 pytestmark = pytest.mark.integration
@@ -59,27 +61,8 @@ trainer_cpus = 0.5
 """
 
 
-def _tagged(tag: str) -> dict[int, str]:
-    """Live processes whose environment carries `AGENTFLOW_TEST_TAG=tag`: pid -> command
-    line (Ray names an actor's process after it: `ray::TrainerRank...`)."""
-    needle = f"AGENTFLOW_TEST_TAG={tag}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as environ:
-                if needle not in environ.read():  # a zombie's reads empty
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                found[int(entry)] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone while we looked
-            continue
-    return found
-
-
 def _command(tag: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "AGENTFLOW_TEST_TAG": tag}
+    return {**os.environ, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
 
 
 def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None:
@@ -114,9 +97,9 @@ def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None
     # Ray's worker processes end on their own once the raylet has gone, a moment after
     # the command returns (longer on a loaded machine): wait for them, not for ever.
     deadline = time.monotonic() + 30
-    while _tagged(tag) and time.monotonic() < deadline:
+    while tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _tagged(tag) == {}, "the cluster the command started is gone"
+    assert tagged(tag) == {}, "the cluster the command started is gone"
 
 
 def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path) -> None:
@@ -138,7 +121,7 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
                 assert command.poll() is None, command.stderr.read() if command.stderr else ""
                 assert time.monotonic() < deadline, "no third step"
                 time.sleep(0.2)
-            trainers = [pid for pid, args in _tagged(tag).items() if "ray::TrainerRank" in args]
+            trainers = [pid for pid, args in tagged(tag).items() if "ray::TrainerRank" in args]
             assert len(trainers) == 1
             os.kill(trainers.pop(), signal.SIGKILL)
             out, err = command.communicate(timeout=600)

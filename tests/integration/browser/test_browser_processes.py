@@ -8,7 +8,6 @@ in their environment (Chromium and the driver inherit the gateway's), read from
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import uuid
@@ -20,30 +19,11 @@ import pytest
 from agentflow.db import migrate
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
+from tests.support.processes import TAG_ENV, tagged
 
 pytestmark = pytest.mark.integration
 
 LIVE = ("pending", "running")
-
-
-def tagged_processes(tag: str) -> list[int]:
-    """Pids of live processes whose environment carries `AGENTFLOW_TEST_TAG=tag`."""
-    marker = f"AGENTFLOW_TEST_TAG={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as env:
-                if marker not in env.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # a zombie holds nothing; its parent reaps it
-        except OSError:
-            continue
-        found.append(int(entry))
-    return found
 
 
 def _wait(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
@@ -71,9 +51,9 @@ def test_concurrent_episodes_and_a_gateway_kill_leave_no_browser(
     tag = uuid.uuid4().hex
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    extra = {"AGENTFLOW_TEST_TAG": tag, "AGENTFLOW_BROWSER_POOL_SIZE": "2"}
+    extra = {TAG_ENV: tag, "AGENTFLOW_BROWSER_POOL_SIZE": "2"}
     log = tmp_path / "gateway.log"
-    assert tagged_processes(tag) == []
+    assert tagged(tag) == {}
 
     with gateway_process(empty_pg_url, tmp_path, port, log=log, **extra) as proc:
         env = httpx.post(
@@ -106,12 +86,12 @@ def test_concurrent_episodes_and_a_gateway_kill_leave_no_browser(
             180,
             "16 running episodes",
         )
-        assert tagged_processes(tag), "the gateway's browsers carry the tag"
+        assert tagged(tag), "the gateway's browsers carry the tag"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
 
     # The driver sees its pipe close and takes its browsers with it.
-    _wait(lambda: tagged_processes(tag) == [], 30, "no browser after the SIGKILL")
+    _wait(lambda: tagged(tag) == {}, 30, "no browser after the SIGKILL")
 
     with gateway_process(empty_pg_url, tmp_path, port, log=log, **extra) as proc:
         before = {e["id"] for e in _episodes(url, run_id)}
@@ -121,7 +101,7 @@ def test_concurrent_episodes_and_a_gateway_kill_leave_no_browser(
             180,
             "episodes after the restart",
         )
-        assert tagged_processes(tag)
+        assert tagged(tag)
         _wait(
             lambda: any(
                 e["status"] in ("completed", "truncated") and e["id"] not in before
@@ -136,4 +116,4 @@ def test_concurrent_episodes_and_a_gateway_kill_leave_no_browser(
         ended = [e for e in _episodes(url, run_id) if e["status"] in ("completed", "truncated")]
         assert ended, "episodes ran to their end in real Chromium"
     # A clean shutdown closes the shared browser pool.
-    _wait(lambda: tagged_processes(tag) == [], 30, "no browser after shutdown")
+    _wait(lambda: tagged(tag) == {}, 30, "no browser after shutdown")
