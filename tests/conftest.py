@@ -45,6 +45,9 @@ def _work_unit(item: pytest.Item, modules_with_shared_fixtures: set[str]) -> tup
         # The Docker engine is started by the first test that needs one and stopped with
         # that worker's session.
         return _SHARED_RESOURCE, "docker"
+    if item.get_closest_marker("vllm"):
+        # One vLLM server per session, started by the first test that needs it.
+        return _SHARED_RESOURCE, "vllm"
     module = item.nodeid.split("::")[0]
     if module in modules_with_shared_fixtures:
         return _MODULE, module

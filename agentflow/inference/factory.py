@@ -11,7 +11,13 @@ from pathlib import Path
 from agentflow.errors import InvalidInput
 from agentflow.inference.base import Engine
 from agentflow.modeling import MODEL_INIT_FILE
-from agentflow.run_config import LocalEngineConfig, RunConfig, SGLangEngineConfig, check_device
+from agentflow.run_config import (
+    LocalEngineConfig,
+    RunConfig,
+    SGLangEngineConfig,
+    VLLMEngineConfig,
+    check_device,
+)
 from agentflow.tokenization import load_tokenizer
 from agentflow.tokenization.bytes import ByteTokenizer
 from agentflow.tokenization.chat import ChatTemplate, HFChatTemplate, chat_template_for
@@ -49,7 +55,8 @@ def _built_here(path: Path) -> bool:
 
 def build_engine(config: RunConfig) -> tuple[Engine, int]:
     """One engine of the run's `[engine]` and its context length: the local engine in
-    this process, or the client of SGLang servers. A run placed on Ray (`[placement]
+    this process, or the client of SGLang or vLLM servers (vLLM's started here when the
+    config says `[engine.launch]`). A run placed on Ray (`[placement]
     ray`) gets a pool of engine actors instead (`agentflow.placement.engines`), each of
     which builds its engine here."""
     engine_config = config.engine
@@ -82,4 +89,8 @@ def build_engine(config: RunConfig) -> tuple[Engine, int]:
             max_connections=config.rollout.max_concurrency + 16,
         )
         return SGLangEngine(settings), engine_config.max_context
+    if isinstance(engine_config, VLLMEngineConfig):
+        from agentflow.inference.vllm_pool import build_vllm_engine
+
+        return build_vllm_engine(config, build_template(config))
     raise InvalidInput(f"unknown engine type {engine_config!r}", field=("engine",))

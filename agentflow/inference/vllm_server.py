@@ -1,0 +1,192 @@
+"""A vLLM server this process starts from a run's checkpoint, and stops.
+
+`VLLMServer(launch, model_path, port).start()` runs vLLM's OpenAI server module with the
+python of vLLM's own venv (vLLM pins its own torch and transformers), with the RL routes
+(`VLLM_SERVER_DEV_MODE=1`) and the token route (`--enable-scale-out`) mounted, and
+returns once `/health` answers. The server is killed with this process however it ends
+(its parent-death signal is armed from one long-lived thread, because Linux sends it when
+the *thread* that forked the child exits), and stopped by `stop()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from agentflow.errors import EngineUnavailable, InvalidInput
+from agentflow.ports import free_port
+from agentflow.run_config import VLLMLaunchConfig
+from envs.desktop.processes import die_with
+
+log = logging.getLogger(__name__)
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Never shut down: a server's parent-death signal is bound to the thread that forked it.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-spawner")
+
+
+def server_argv(
+    launch: VLLMLaunchConfig, model_path: str, port: int, served_model_name: str | None
+) -> list[str]:
+    argv = [
+        launch.python,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        model_path,
+        "--host",
+        launch.host,
+        "--port",
+        str(port),
+        "--dtype",
+        launch.dtype,
+        "--enforce-eager",
+        "--enable-scale-out",  # the token-in/token-out route
+        "--enable-prompt-tokens-details",  # cached prompt tokens in each answer's usage
+        "--enable-prefix-caching",
+        # Log-probs of log_softmax(logits / temperature), as every engine here reports
+        # them (vLLM's default is of the raw logits, whatever the temperature).
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--disable-uvicorn-access-log",
+    ]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    if launch.max_model_len is not None:
+        argv += ["--max-model-len", str(launch.max_model_len)]
+    return argv + list(launch.extra_args)
+
+
+def server_env(launch: VLLMLaunchConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",  # pause/resume, reload, weight versions, abort by id
+        VLLM_CPU_KVCACHE_SPACE=str(launch.kv_cache_gib),
+        VLLM_CPU_OMP_THREADS_BIND="nobind",  # share the cores with the gateway
+        OMP_NUM_THREADS=str(launch.threads),
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",  # a local checkpoint; nothing is fetched
+    )
+    # The venv's python must not pick up this process's packages.
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def check_python(launch: VLLMLaunchConfig) -> None:
+    if not Path(launch.python).is_file():
+        raise InvalidInput(
+            f"no python at {launch.python!r}: make vLLM's venv with "
+            '`agentflow engine install-vllm` (docs/inference.md, "vLLM")',
+            field=("engine", "launch", "python"),
+        )
+
+
+class VLLMServer:
+    """One server process; `url` once `start` returned."""
+
+    def __init__(
+        self,
+        launch: VLLMLaunchConfig,
+        model_path: str,
+        *,
+        port: int = 0,
+        served_model_name: str | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.launch = launch
+        self.model_path = model_path
+        self.port = port
+        self.served_model_name = served_model_name
+        self.log_dir = log_dir
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self._tail: deque[str] = deque(maxlen=40)
+
+    def start(self) -> str:
+        check_python(self.launch)
+        port = self.port or free_port(self.launch.host)
+        argv = server_argv(self.launch, self.model_path, port, self.served_model_name)
+        log.info("starting a vLLM server: %s", " ".join(argv))
+        self.url = f"http://{self.launch.host}:{port}"
+        log_path = self._log_path(port)
+        parent = os.getpid()
+
+        def spawn() -> subprocess.Popen[bytes]:
+            out = log_path.open("ab")
+            try:
+                return subprocess.Popen(
+                    argv,
+                    env=server_env(self.launch),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with(parent),
+                    start_new_session=True,
+                )
+            finally:
+                out.close()
+
+        self.process = _SPAWNER.submit(spawn).result()
+        self.log_path = log_path
+        self._wait_healthy(self.launch.ready_s)
+        return self.url
+
+    def _log_path(self, port: int) -> Path:
+        directory = self.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory / f"vllm-{port}.log"
+
+    def log_tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineUnavailable(
+                    f"the vLLM server for {self.model_path} exited with {code} before "
+                    f"serving; the end of its log ({self.log_path}):\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise EngineUnavailable(
+            f"the vLLM server at {self.url} did not answer /health in {timeout_s:.0f} s; "
+            f"the end of its log ({self.log_path}):\n{self.log_tail()}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        # vLLM's engine core and workers are in the server's process group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
