@@ -98,6 +98,7 @@ class EnginePool:
         self._state: asyncio.Lock | None = None
         self._closed = False
         self._next = 0  # round-robin among equals
+        self._burying: set[asyncio.Task[None]] = set()  # dead engines being closed
 
     # -- routing ------------------------------------------------------------------------
 
@@ -287,6 +288,7 @@ class EnginePool:
     async def close(self) -> None:
         self._closed = True
         self._changed().set()
+        await asyncio.gather(*self._burying, return_exceptions=True)
         tasks = [s.replacing for s in self._slots if s.replacing is not None]
         for task in tasks:
             task.cancel()
@@ -323,6 +325,11 @@ class EnginePool:
             exc,
         )
         slot.sessions = set()
+        # What the dead engine still holds here (its client's connections, a server
+        # process of its own) is released in the background.
+        burial = asyncio.get_running_loop().create_task(self._bury(engine))
+        self._burying.add(burial)
+        burial.add_done_callback(self._burying.discard)
         if self._replace is None or self._closed:
             return error
         if self.counters.replaced + self.counters.failed_replacements >= self.max_replacements:
@@ -336,6 +343,11 @@ class EnginePool:
             self._replace_slot(slot), name=f"replace-engine-{slot.index}"
         )
         return error
+
+    @staticmethod
+    async def _bury(engine: Engine) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(engine.close(), timeout=30.0)
 
     async def _replace_slot(self, slot: _Slot) -> None:
         assert self._replace is not None

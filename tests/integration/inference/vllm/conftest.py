@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,8 @@ class Checkpoints:
     misfit: Path  # other shapes
     lookup_key: str  # what the policy's tool call looks up
     prompt: tuple[int, ...]  # the lookup question, rendered with its tools
+    messages: list[dict[str, Any]]  # ...as chat messages
+    tools: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Served:
     checkpoints: Checkpoints
 
 
-def lookup_prompt() -> tuple[list[dict[str, object]], list[dict[str, object]], str]:
+def lookup_prompt() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """The first request of `LookupEnv(hops=2)` at seed 7: messages, tools, the key."""
     env = LookupEnv(hops=2)
     first = asyncio.run(env.reset(seed=7))
@@ -77,7 +80,13 @@ def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
         root / "misfit",
     )
     return Checkpoints(
-        policy=policy, other=other, misfit=misfit, lookup_key=key, prompt=tuple(prompt)
+        policy=policy,
+        other=other,
+        misfit=misfit,
+        lookup_key=key,
+        prompt=tuple(prompt),
+        messages=messages,
+        tools=tools,
     )
 
 
