@@ -169,7 +169,7 @@ class SGLangEngineConfig(_Section):
 
 class VLLMLaunchConfig(_Section):
     """vLLM servers AgentFlow starts, watches, restarts and stops itself, on this machine
-    (or one per engine actor with `[placement] ray`); docs/inference.md, "vLLM"."""
+    (docs/inference.md, "VLLMEngine")."""
 
     python: str = Field(
         default=".venv-vllm/bin/python",
@@ -867,6 +867,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "engine.urls: list the SGLang servers (or a router), or set "
                 "[placement] ray to start them as engine actors"
+            )
+        if isinstance(value, VLLMEngineConfig) and placed:
+            raise ValueError(
+                "vLLM engines are not placed on Ray yet: leave [placement] ray empty "
+                '(docs/inference.md, "VLLMEngine")'
             )
         if isinstance(value, SGLangEngineConfig) and value.urls and placed:
             raise ValueError(

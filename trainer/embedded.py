@@ -30,7 +30,7 @@ from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.manager import RunManager
-from agentflow.run_config import RunConfig, check_device
+from agentflow.run_config import LocalEngineConfig, RunConfig, check_device
 from agentflow.ui.app import create_dashboard_app
 from envs import registry
 from trainer.backends.base import Policy
@@ -60,10 +60,10 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     Options not built yet (megatron, rtpo, nccl, kl_coef) never get here: the config's
     parse refuses them. Checked here is what depends on this process form and this
     machine (teacher checkpoints among it), before anything is written or trained."""
-    if config.engine.type != "local":
+    if config.engine.type == "sglang":
         raise InvalidInput(
-            "the embedded trainer updates a local engine in process; use `agentflow trainer "
-            "--gateway URL` with disk sync for SGLang",
+            "the embedded trainer updates a local engine in process, or vLLM servers from "
+            "disk; use `agentflow trainer --gateway URL` with disk sync for SGLang",
             field=("engine", "type"),
         )
     if config.trainer.backend == "megatron":
@@ -81,7 +81,8 @@ def prepare(config: RunConfig) -> tuple[RunConfig, Path]:
             "run: `agentflow trainer CONFIG --gateway URL`",
             field=("trainer", "ranks"),
         )
-    check_device(config.engine.device, ("engine", "device"))
+    if isinstance(config.engine, LocalEngineConfig):
+        check_device(config.engine.device, ("engine", "device"))
     check_device(config.trainer.device, ("trainer", "device"))
     check_teachers(config)
     directory = run_directory(config)

@@ -3,9 +3,14 @@
 `VLLMServer(launch, model_path, port).start()` runs vLLM's OpenAI server module with the
 python of vLLM's own venv (vLLM pins its own torch and transformers), with the RL routes
 (`VLLM_SERVER_DEV_MODE=1`) and the token route (`--enable-scale-out`) mounted, and
-returns once `/health` answers. The server is killed with this process however it ends
-(its parent-death signal is armed from one long-lived thread, because Linux sends it when
-the *thread* that forked the child exits), and stopped by `stop()`.
+returns once `/health` answers.
+
+A vLLM server is three processes (the API server, its engine core, a worker), and the
+engine core outlives an API server that is killed. So the server runs under a shell that
+leads their process group and kills the whole group when the API server exits, however it
+exits, or when the shell gets SIGTERM: from `stop()`, or from the kernel when this
+process dies (the shell's parent-death signal, armed from one long-lived thread because
+Linux sends it when the *thread* that forked the child exits).
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ log = logging.getLogger(__name__)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Never shut down: a server's parent-death signal is bound to the thread that forked it.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-spawner")
+# The group's leader: runs the server, and kills the group when the server exits or when
+# it is told to stop (`kill 0`: every process of the caller's group, itself included).
+GROUP_LEADER = (
+    "/bin/sh",
+    "-c",
+    "trap 'kill -s KILL 0' TERM INT; \"$@\" & wait $!; kill -s KILL 0",
+    "vllm-server",
+)
 
 
 def server_argv(
@@ -126,12 +139,12 @@ class VLLMServer:
             out = log_path.open("ab")
             try:
                 return subprocess.Popen(
-                    argv,
+                    [*GROUP_LEADER, *argv],
                     env=server_env(self.launch),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=die_with(parent),
+                    preexec_fn=die_with(parent, signal.SIGTERM),
                     start_new_session=True,
                 )
             finally:
@@ -175,18 +188,23 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def server_pid(self) -> int | None:
+        """The API server's own pid (the group leader's child), while it runs."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            path = f"/proc/{self.process.pid}/task/{self.process.pid}/children"
+            children = Path(path).read_text().split()
+            return int(children[0]) if children else None
+        return None
+
     def stop(self) -> None:
+        """End every process of the server: the group is killed even when its leader is
+        already gone (what is left of a server that died)."""
         process = self.process
-        if process is None or process.poll() is not None:
+        if process is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        # vLLM's engine core and workers are in the server's process group.
-        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=20)

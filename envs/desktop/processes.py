@@ -37,15 +37,16 @@ _PR_SET_PDEATHSIG = 1
 _libc: Any = None
 
 
-def die_with(parent: int) -> Callable[[], None]:
-    """A `preexec_fn`: SIGKILL this child when its parent goes (and if it already has)."""
+def die_with(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A `preexec_fn`: send this child `sig` (SIGKILL) when its parent goes, and kill it
+    if the parent already has."""
     global _libc
     if _libc is None:  # loaded before the fork: dlopen in a forked child is not safe
         _libc = ctypes.CDLL(None, use_errno=True)
     libc = _libc
 
     def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGKILL)
 

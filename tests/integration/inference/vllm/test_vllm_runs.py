@@ -188,7 +188,9 @@ async def test_two_servers_behind_one_pool_and_one_killed(vllm_server: Served) -
         assert len(shared._sessions) == len(own._sessions) == 1  # one session each
 
         own_session = next(s for s in sessions if s in own._sessions)
-        os.kill(first.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        api_server = first.server_pid()
+        assert api_server is not None
+        os.kill(api_server, signal.SIGKILL)
         with pytest.raises(EngineLost):
             await pool.generate(
                 GenerateRequest(
@@ -207,6 +209,10 @@ async def test_two_servers_behind_one_pool_and_one_killed(vllm_server: Served) -
         while None in pool.engines() or pool.counters.replaced < 1:
             assert asyncio.get_running_loop().time() < deadline, "no replacement started"
             await asyncio.sleep(0.5)
+        # Nothing of the killed server is left: its engine core and worker went with it.
+        assert first.process is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(first.process.pid, 0)
         back = pool.engines()[1]
         assert isinstance(back, VLLMEngine) and back.url != first.url
         assert await back.current_version() == version  # the pool's newest weights
