@@ -41,7 +41,7 @@ BASE_IMAGE = "agentflow-base:bookworm"
 SANDBOX_RUNTIME_IMAGE = "agentflow-sandbox-runtime"
 DEFAULT_TAG = "local"
 SUITE = "bookworm"
-PROFILES = ("cpu", "gpu")
+PROFILES = ("cpu", "gpu", "vllm")
 # The extras the images carry: the local engine and trainer (torch), the env suites, and
 # the docker SDK (the sandbox service's backend in the stack).
 IMAGE_EXTRAS = ("torch", "envs", "docker")
@@ -304,6 +304,34 @@ def build_wheelhouse(project_dir: Path) -> Path:
     return wheels
 
 
+def build_vllm_wheelhouse(project_dir: Path) -> Path:
+    """``docker/wheels/vllm/``: vLLM's CPU build and everything it needs, for the `vllm`
+    image (made once per vLLM release; its stamp names the release)."""
+    from agentflow.inference.vllm_install import CPU_PACKAGE
+    from agentflow.inference.vllm_wire import VLLM_VERSION
+
+    if sys.version_info[:2] != IMAGE_PYTHON:
+        version = ".".join(map(str, IMAGE_PYTHON))
+        raise StackError(f"the vLLM image runs Python {version}; build it from Python {version}")
+    wheels = project_dir / "docker" / "wheels" / "vllm"
+    stamp = wheels / ".requirement"
+    requirement = f"{CPU_PACKAGE}=={VLLM_VERSION}"
+    if stamp.is_file() and stamp.read_text() == requirement:
+        return wheels
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    _run(
+        [
+            sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+            "--only-binary", ":all:", "--dest", str(wheels), requirement,
+        ],
+        timeout=3600,
+        what="pip download (vllm)",
+    )  # fmt: skip
+    stamp.write_text(requirement)
+    return wheels
+
+
 # --- the compose project ---------------------------------------------------------------
 
 
@@ -371,7 +399,8 @@ class Stack:
         return self.compose("config").stdout
 
     def build(self) -> None:
-        """Every image the cpu profile runs, from the base image and the wheelhouse.
+        """Every image the cpu profile runs, from the base image and the wheelhouse, and
+        the vLLM image when the `vllm` profile is one of these.
 
         The desktop image is built FROM the agentflow image, so in a second step, after it.
         """
@@ -380,6 +409,9 @@ class Stack:
         build_sandbox_runtime_image(self.project_dir, self.base_image, self.tag)
         self.compose("build", "postgres", "gateway", profiles=["cpu"], timeout=3600)
         self.compose("build", "desktop", profiles=["cpu"], timeout=3600)
+        if "vllm" in self.profiles:
+            build_vllm_wheelhouse(self.project_dir)
+            self.compose("build", "vllm", profiles=["vllm"], timeout=3600)
 
     def up(self, *services: str, timeout: float = 600) -> None:
         """Start the profile's services (or the ones named), then wait until each is healthy."""

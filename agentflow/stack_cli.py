@@ -79,11 +79,13 @@ def build(
     env_file: EnvFileOpt = None,
     tag: TagOpt = DEFAULT_TAG,
     base_image: Annotated[str, typer.Option(help="Debian bookworm base")] = BASE_IMAGE,
+    profile: ProfileOpt = "cpu",
 ) -> None:
-    """Build the images offline: debootstrap base, host-made wheelhouse, no package index."""
+    """Build the images offline: debootstrap base, host-made wheelhouse, no package index
+    (`--profile vllm` adds the vLLM image)."""
     try:
         _engine()
-        _stack(project_dir, env_file, "agentflow", "cpu", tag, base_image).build()
+        _stack(project_dir, env_file, "agentflow", profile, tag, base_image).build()
     except StackError as exc:
         raise _fail(exc) from None
     typer.echo("images built")

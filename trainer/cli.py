@@ -97,9 +97,20 @@ def train(
 def sft(
     config: ConfigArg,
     out: Annotated[Path | None, typer.Option(help="where to save the model")] = None,
+    from_init: Annotated[
+        bool,
+        typer.Option(
+            "--from-init",
+            help="start from model.init even when model.path is set (the warm start "
+            "writes the checkpoint model.path will name, as for a vLLM server)",
+        ),
+    ] = False,
 ) -> None:
     """Warm start only: supervised training on the envs' scripted oracles."""
     run_config = read_run_config(config)
+    if from_init:
+        model = run_config.model.model_copy(update={"path": ""})
+        run_config = run_config.model_copy(update={"model": model})
     from agentflow.run_config import check_warm_start_env
 
     try:  # also when `warm_start.enabled` is false, which the config's parse checks

@@ -8,9 +8,11 @@ which is why a session must keep hitting one server (`EnginePool` routes by sess
 - Generation: `/inference/v1/generate`, token ids in and out, the sampled tokens'
   log-probs, and vLLM's own `weight_versions` spans.
 - Pause: the project's `retract` and `in_place` are vLLM's `keep` (requests stay in the
-  queue with their KV and go on at `/resume`, on whatever weights are loaded then, so
-  their spans split at the update); `abort` is `abort` (running requests end with their
-  partial output; the run's `PolicyRuntime` resubmits them).
+  server and go on at `/resume` on the weights loaded then, so their spans split at the
+  update); after a reload under `retract` they are preempted with the prefix cache
+  (`/reset_prefix_cache?reset_running_requests=true`), so their KV is computed again by
+  the new weights, where `in_place` keeps it. `abort` is `abort` (running requests end
+  with their partial output; the run's `PolicyRuntime` resubmits them).
 - Weights: from a directory only (`/collective_rpc reload_weights`, then
   `/update_weight_version`), checked against the served model's tensors first, because
   a failed reload ends vLLM's engine (`vllm_wire.compare_checkpoints`).
@@ -24,6 +26,7 @@ import asyncio
 import itertools
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -104,7 +107,7 @@ class VLLMEngine:
         self._next_client = itertools.count()
         self._sessions: dict[str, dict[str, tuple[int, ...]]] = {}
         self._version: int | None = None
-        self._paused = False
+        self._paused: PauseMode | None = None
         self._running = 0
         self._served: wire.TensorShapes | None = None
         self.prefix_cache_resets_refused = 0
@@ -153,10 +156,16 @@ class VLLMEngine:
                     req.rid, list(context), req.sampling, self.settings.served_model
                 ),
                 timeout_s=self.settings.generate_timeout_s,
-                # Not retried: a generation that may have run cannot be sent again blindly
-                # (the pool's caller resends a lost turn from its recorded context).
-                retry=False,
                 client=client,
+                # A keep-alive connection the server closed as the request went out fails
+                # with a read error; the retry first aborts the rid, in case an attempt
+                # did reach the server (the server keeps one request per id).
+                before_retry=lambda: self._call(
+                    "POST",
+                    "/abort_requests",
+                    body={"request_ids": [wire.internal_id(req.rid)]},
+                    retry=False,
+                ),
             )
         finally:
             self._running -= 1
@@ -190,13 +199,14 @@ class VLLMEngine:
     # ---- pause, weights ---------------------------------------------------------------
 
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        vllm_mode = "abort" if PauseMode(mode) is PauseMode.ABORT else "keep"
+        mode = PauseMode(mode)
+        vllm_mode = "abort" if mode is PauseMode.ABORT else "keep"
         await self._call("POST", f"/pause?mode={vllm_mode}")
-        self._paused = True
+        self._paused = mode
 
     async def resume(self) -> None:
         await self._call("POST", "/resume")
-        self._paused = False
+        self._paused = None
 
     async def current_version(self) -> int:
         answer = expect_dict(await self._call("GET", "/weight_info"), "/weight_info")
@@ -239,10 +249,15 @@ class VLLMEngine:
         return version
 
     async def _reset_prefix_cache(self) -> None:
-        """Cached prefixes were computed by the old weights. vLLM refuses the reset while
-        requests hold blocks (paused with `keep`): then those prefixes stay until evicted,
-        counted in `info().extra`."""
-        answer = await self._call("POST", "/reset_prefix_cache")
+        """Cached prefixes were computed by the old weights, so the cache is emptied.
+        Paused with `retract`, the kept requests are preempted too
+        (`reset_running_requests`): they go back to the queue and their KV is computed
+        again, on the new weights, when they resume. With `in_place` they keep their KV,
+        and vLLM refuses the reset while they hold blocks: then the old prefixes stay
+        until evicted, counted in `info().extra`."""
+        retract = self._paused is PauseMode.RETRACT
+        query = "?reset_running_requests=true" if retract else ""
+        answer = await self._call("POST", f"/reset_prefix_cache{query}")
         if isinstance(answer, dict) and answer.get("success") is False:
             self.prefix_cache_resets_refused += 1
             log.info("vLLM at %s kept its prefix cache (requests hold blocks)", self._url)
@@ -276,7 +291,7 @@ class VLLMEngine:
             max_context=int(card.get("max_model_len") or 0),
             weight_version=await self.current_version(),
             running=self._running,
-            paused=self._paused,
+            paused=self._paused is not None,
             sessions=len(self._sessions),
             extra={
                 "url": self._url,
@@ -305,6 +320,7 @@ class VLLMEngine:
         timeout_s: float | None = None,
         retry: bool = True,
         client: httpx.AsyncClient | None = None,
+        before_retry: Callable[[], Awaitable[object]] | None = None,
     ) -> Any:
         """One call; a server that is gone is `EngineLost`, naming it."""
         try:
@@ -316,6 +332,7 @@ class VLLMEngine:
                 timeout_s=timeout_s or self.settings.control_timeout_s,
                 body=body,
                 retry=retry,
+                before_retry=before_retry,
             )
         except EngineRequestError:
             raise

@@ -106,7 +106,7 @@ def test_gpu_profile_services() -> None:
         assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
 
 
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_desktop_service(profile: str) -> None:
     resolved = _resolved(profile, AGENTFLOW_DESKTOP_NOVNC_PORT="16080",
                          AGENTFLOW_DESKTOP_STATE_PORT="16090")  # fmt: skip
@@ -132,6 +132,28 @@ def test_desktop_service(profile: str) -> None:
     assert desktop["restart"] == "unless-stopped"
     assert "/tmp" in desktop["tmpfs"]  # no stale X lock after a restart
     assert "privileged" not in desktop and "cap_add" not in desktop
+
+
+def test_vllm_profile_services() -> None:
+    services = _resolved("vllm", AGENTFLOW_VLLM_PORT="18100")["services"]
+    assert set(services) == {"postgres", "gateway", "model", "vllm", "trainer-vllm"}
+    model, vllm, trainer = services["model"], services["vllm"], services["trainer-vllm"]
+    # The warm start writes the checkpoint once; the server starts after it, from it.
+    assert "--from-init --out /data/models/policy" in " ".join(model["command"])
+    assert vllm["depends_on"]["model"]["condition"] == "service_completed_successfully"
+    command = vllm["command"]
+    assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--model") + 1] == "/data/models/policy"
+    assert command[command.index("--port") + 1] == "18100"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    for flag in ("--enable-scale-out", "--enable-prefix-caching", "--logprobs-mode"):
+        assert flag in command
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"  # the RL routes
+    assert vllm["user"] == "agentflow" and "18100/health" in " ".join(vllm["healthcheck"]["test"])
+    assert trainer["depends_on"]["vllm"]["condition"] == "service_healthy"
+    # Published weights and the checkpoint are at the same paths for all three.
+    gateway = services["gateway"]
+    assert _mounts(vllm)["/data"] == _mounts(gateway)["/data"] == _mounts(trainer)["/data"]
 
 
 @pytest.mark.parametrize("secret", ["AGENTFLOW_API_KEY", "AGENTFLOW_DESKTOP_API_KEY"])

@@ -146,6 +146,8 @@ async def test_a_publish_mid_answer_splits_its_spans(
     assert [s.version for s in spans] == [before, before + 1]
     assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 900
     assert runtime.resubmitted == (1 if interrupt is PauseMode.ABORT else 0)
+    # The old weights' KV went: retract preempts the kept request with the prefix cache.
+    assert engine.prefix_cache_resets_refused == 0
 
 
 async def test_a_version_that_does_not_fit_is_refused_and_the_server_serves_on(

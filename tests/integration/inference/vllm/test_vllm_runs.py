@@ -98,6 +98,23 @@ def test_servers_that_are_not_the_runs_are_refused(vllm_server: Served) -> None:
         build_engine(RunConfig.model_validate(silent))
 
 
+def test_a_server_with_another_vocabulary_is_refused(vllm_server: Served) -> None:
+    """The checkpoint check off, a run whose tokenizer is Qwen3's (the real one, from the
+    package that ships it) meets the byte-level server: the probe text differs."""
+    from agentflow.inference.vllm_pool import _check_server
+    from tests.support.model_files import template_for
+
+    config = RunConfig.model_validate(run_config(vllm_server, check_model=False))
+    with pytest.raises(InvalidInput, match="another vocabulary") as refused:
+        _check_server(vllm_server.url, config, template_for("qwen3"), "/models/qwen3")
+    assert vllm_server.url in str(refused.value) and "/models/qwen3" in str(refused.value)
+    # The run's own vocabulary passes, and the server's context is the run's.
+    own = _check_server(
+        vllm_server.url, config, ByteChatTemplate(), str(vllm_server.checkpoints.policy)
+    )
+    assert own == 1024
+
+
 @pytest.fixture
 def gateway(sqlite_database: str) -> Iterator[Gateway]:
     server = Gateway(sqlite_database)
