@@ -161,6 +161,21 @@ def engine_install_vllm(
         raise fail(exc) from exc
 
 
+@engine_app.command("untie-head")
+def engine_untie_head(
+    checkpoint: Annotated[Path, typer.Argument(help="an HF checkpoint directory")],
+    out: Annotated[Path, typer.Option(help="where to write the untied copy")],
+) -> None:
+    """Copy a checkpoint with its output head untied, for vLLM servers that AgentFlow does
+    not start itself (docs/inference.md, "A tied output embedding")."""
+    from agentflow.inference.vllm_checkpoint import untie_head
+
+    try:
+        print_json({"model": str(untie_head(checkpoint, out))})
+    except AgentFlowError as exc:
+        raise fail(exc) from exc
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply migrations up to REVISION (default: head)."""

@@ -300,4 +300,5 @@ def _publisher(
         [target],
         weights_dir if sync == "disk" else None,
         config=policy.model.config,
+        untied_head=config.engine.type == "vllm",
     )

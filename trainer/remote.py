@@ -443,7 +443,11 @@ async def _train(
         else:
             weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
             publisher = WeightPublisher(
-                "disk", [published], weights_dir.resolve(), config=policy.model.config
+                "disk",
+                [published],
+                weights_dir.resolve(),
+                config=policy.model.config,
+                untied_head=config.engine.type == "vllm",
             )
 
         async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:

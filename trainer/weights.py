@@ -145,6 +145,7 @@ class WeightPublisher:
         keep: int = 2,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         initial_version: int = 0,
+        untied_head: bool = False,
     ) -> None:
         if mode not in ("inprocess", "disk"):
             raise InvalidInput(f"unknown weight sync mode {mode!r}", field="mode")
@@ -155,6 +156,9 @@ class WeightPublisher:
         if shard_bytes < 1:
             raise InvalidInput(f"shard_bytes must be >= 1, got {shard_bytes}", field="shard_bytes")
         self.mode: SyncMode = mode
+        # A tied output embedding also written as `lm_head.weight`, for servers that
+        # serve it untied (vLLM: docs/inference.md, "A tied output embedding").
+        self.untied_head = untied_head
         self.targets = list(targets)
         self.directory = Path(directory) if directory is not None else None
         self.config = config
@@ -190,6 +194,8 @@ class WeightPublisher:
             path = None
         else:
             tensors = unique_tensors(state_dict, copy=False, drop_aliases=True)
+            if self.untied_head:
+                tensors = with_untied_head(tensors)
             final = self.version_dir(version)
             await asyncio.to_thread(self._write_version, tensors, version, final)
             update = WeightUpdate(path=str(final), version=version)
@@ -270,6 +276,17 @@ class WeightPublisher:
         versions.sort()
         for _, old in versions[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def with_untied_head(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with the output head written out when it is the input embedding's alias
+    (dropped as one): a copy, since a checkpoint file holds no shared storage."""
+    if HEAD in tensors or EMBEDDING not in tensors:
+        return tensors
+    return {**tensors, HEAD: tensors[EMBEDDING].detach().clone()}
 
 
 def write_checkpoint(

@@ -24,11 +24,18 @@ from agentflow.errors import EngineError, InvalidInput
 from agentflow.inference.base import Engine
 from agentflow.inference.pool import EnginePool
 from agentflow.inference.vllm import VLLMEngine, VLLMSettings
+from agentflow.inference.vllm_checkpoint import is_tied, untie_head
 from agentflow.inference.vllm_server import VLLMServer
+from agentflow.inference.vllm_wire import VLLM_VERSION
 from agentflow.run_config import RunConfig, VLLMEngineConfig
 from agentflow.tokenization.chat import ChatTemplate
 
 log = logging.getLogger(__name__)
+
+
+def run_directory(config: RunConfig) -> Path:
+    return Path(config.trainer.run_dir) / config.name
+
 
 # Plain text of several scripts, no special tokens: two different vocabularies part here.
 VOCAB_PROBE = "AgentFlow checks the vocabulary: 0123456789, ünïcödé, 中文, emoji 🙂."
@@ -44,10 +51,24 @@ def build_vllm_engine(config: RunConfig, template: ChatTemplate) -> tuple[Engine
     model_path = str(Path(config.model.path).resolve())
     servers: list[VLLMServer] = []
     if engine_config.launch is not None:
+        # The servers load an untied copy (vllm_checkpoint.py says why), made with vLLM's
+        # own python, which has what it takes to read and write the tensors.
+        if is_tied(model_path):
+            served = run_directory(config) / "vllm" / "served-model"
+            model_path = str(untie_head(model_path, served, python=engine_config.launch.python))
         servers = _launch_all(config, model_path)
         urls = [s.url for s in servers]
     else:
         urls = [str(u).rstrip("/") for u in engine_config.urls]
+        if is_tied(model_path):
+            raise InvalidInput(
+                f"{model_path} ties its output head to its input embedding, and vLLM "
+                f"{VLLM_VERSION} loses that tie when it reloads weights (the head would "
+                "stay at the first version); serve an untied copy: `agentflow engine "
+                "untie-head CHECKPOINT --out DIR`, start the servers from DIR and set "
+                "model.path to DIR",
+                field=("model", "path"),
+            )
     try:
         contexts = [_check_server(url, config, template, model_path) for url in urls]
     except BaseException:
@@ -55,7 +76,8 @@ def build_vllm_engine(config: RunConfig, template: ChatTemplate) -> tuple[Engine
             server.stop()
         raise
     engines: list[Engine] = [
-        _engine(config, url, servers[i] if servers else None) for i, url in enumerate(urls)
+        _engine(config, url, servers[i] if servers else None, model_path)
+        for i, url in enumerate(urls)
     ]
     max_context = min(contexts)
     if len(engines) == 1 and not servers:
@@ -69,7 +91,7 @@ def build_vllm_engine(config: RunConfig, template: ChatTemplate) -> tuple[Engine
             server = _server(config, model_path, index)
             url = await asyncio.to_thread(server.start)
             log.warning("vLLM server %d started again (generation %d): %s", index, generation, url)
-            return _engine(config, url, server)
+            return _engine(config, url, server, model_path)
 
     return EnginePool(engines, replace=replace), max_context
 
@@ -83,7 +105,7 @@ def _server(config: RunConfig, model_path: str, index: int) -> VLLMServer:
         model_path,
         port=launch.port + index if launch.port else 0,
         served_model_name=engine_config.served_model_name,
-        log_dir=Path(config.trainer.run_dir) / config.name / "vllm",
+        log_dir=run_directory(config) / "vllm",
     )
 
 
@@ -102,7 +124,7 @@ def _launch_all(config: RunConfig, model_path: str) -> list[VLLMServer]:
     return servers
 
 
-def _engine(config: RunConfig, url: str, server: VLLMServer | None) -> VLLMEngine:
+def _engine(config: RunConfig, url: str, server: VLLMServer | None, model_path: str) -> VLLMEngine:
     engine_config = config.engine
     assert isinstance(engine_config, VLLMEngineConfig)
     return VLLMEngine(
@@ -111,7 +133,7 @@ def _engine(config: RunConfig, url: str, server: VLLMServer | None) -> VLLMEngin
             served_model=engine_config.served_model_name,
             generate_timeout_s=engine_config.timeout_s,
             max_connections=config.rollout.max_concurrency + 16,
-            reference_checkpoint=config.model.path,
+            reference_checkpoint=model_path,
         ),
         server=server,
     )

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from agentflow.inference.vllm import VLLMEngine, VLLMSettings
+from agentflow.inference.vllm_checkpoint import untie_head
 from agentflow.inference.vllm_install import DEFAULT_VENV, installed_version
 from agentflow.inference.vllm_server import VLLMServer
 from agentflow.modeling import ModelInit, build_model, save_model
@@ -37,7 +38,8 @@ SYSTEM = {"role": "system", "content": "Find the pet with the lookup tool, then 
 
 @dataclass(frozen=True)
 class Checkpoints:
-    policy: Path  # served at the start
+    tied: Path  # the policy as the trainer saves it: output head tied to the embedding
+    policy: Path  # ...and untied, served at the start
     other: Path  # the same shapes, other weights
     misfit: Path  # other shapes
     lookup_key: str  # what the policy's tool call looks up
@@ -73,13 +75,19 @@ def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
         *template.tokenizer.encode(f"<|tool_call|>{call}<|/tool_call|>", allow_special=True),
         template.tokenizer.end_id,
     ]
-    policy = save_model(teach(TINY, prompt, target, steps=200), root / "policy")
-    other = save_model(build_model(TINY, seed=1), root / "other")
+    # Served untied, as AgentFlow serves a tied checkpoint on vLLM (vllm_checkpoint.py).
+    python = str(vllm_python())
+    tied = save_model(teach(TINY, prompt, target, steps=200), root / "policy-tied")
+    policy = untie_head(tied, root / "policy", python=python)
+    other = untie_head(
+        save_model(build_model(TINY, seed=1), root / "other-tied"), root / "other", python=python
+    )
     misfit = save_model(
         build_model(ModelInit(layers=2, hidden=128, heads=4, max_context=512), seed=0),
         root / "misfit",
     )
     return Checkpoints(
+        tied=tied,
         policy=policy,
         other=other,
         misfit=misfit,
@@ -90,15 +98,19 @@ def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     )
 
 
-def launch_config(**update: object) -> VLLMLaunchConfig:
+def vllm_python() -> Path:
     if installed_version(VENV) is None:
         pytest.fail(
             f"no vLLM in {VENV}: the README's test command makes it "
             "(`agentflow engine install-vllm`)",
             pytrace=False,
         )
+    return VENV / "bin" / "python"
+
+
+def launch_config(**update: object) -> VLLMLaunchConfig:
     return VLLMLaunchConfig(
-        python=str(VENV / "bin" / "python"),
+        python=str(vllm_python()),
         max_model_len=MAX_MODEL_LEN,
         kv_cache_gib=1,
         **update,  # type: ignore[arg-type]

@@ -171,3 +171,28 @@ async def test_a_version_that_does_not_fit_is_refused_and_the_server_serves_on(
     assert "embed_tokens" in str(refused.value)  # the misfit tensors are named
     assert [s.version for s in after.weight_versions] == [before]
     assert vllm_server.server.alive()
+
+
+async def test_after_a_publish_the_server_serves_the_new_weights_exactly(
+    vllm_server: Served,
+) -> None:
+    """A version loaded with `reload_weights` is the trainer's to float precision (the
+    published directory drops the tied output embedding, as the trainer writes it)."""
+    engine = client_of(vllm_server)
+    checkpoints = vllm_server.checkpoints
+    prompt = list(checkpoints.prompt)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+    try:
+        before = await engine.current_version()
+        await engine.pause(PauseMode.RETRACT)
+        await engine.update_weights(WeightUpdate(path=str(checkpoints.other), version=before + 1))
+        await engine.resume()
+        result = await engine.generate(GenerateRequest(input_ids=tuple(prompt), sampling=sampling))
+        await engine.update_weights(WeightUpdate(path=str(checkpoints.policy), version=before + 2))
+    finally:
+        await engine.close()
+    assert [s.version for s in result.weight_versions] == [before + 1]
+    ours = score(
+        load_model(checkpoints.other), [*prompt, *result.output_ids], 1.0, start=len(prompt)
+    )
+    assert ours == pytest.approx(result.logprobs, abs=2e-3)

@@ -93,6 +93,12 @@ def test_servers_that_are_not_the_runs_are_refused(vllm_server: Served) -> None:
     assert str(vllm_server.checkpoints.other) in message
     assert vllm_server.url in message
 
+    # A tied checkpoint is refused before any server is asked: vLLM would lose the tie.
+    tied = run_config(vllm_server)
+    tied["model"] = {"path": str(vllm_server.checkpoints.tied)}
+    with pytest.raises(InvalidInput, match="untie-head"):
+        build_engine(RunConfig.model_validate(tied))
+
     silent = run_config(vllm_server, urls=["http://127.0.0.1:9"])
     with pytest.raises(InvalidInput, match="127.0.0.1:9 does not answer"):
         build_engine(RunConfig.model_validate(silent))
