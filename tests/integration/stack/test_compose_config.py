@@ -139,7 +139,9 @@ def test_vllm_profile_services() -> None:
     assert set(services) == {"postgres", "gateway", "model", "vllm", "trainer-vllm"}
     model, vllm, trainer = services["model"], services["vllm"], services["trainer-vllm"]
     # The warm start writes the checkpoint once; the server starts after it, from it.
-    assert "--from-init --out /data/models/policy" in " ".join(model["command"])
+    command = " ".join(model["command"])
+    assert "agentflow sft /config/run.toml --from-init --out /data/models/warm" in command
+    assert "untie-head /data/models/warm --out /data/models/policy" in command
     assert vllm["depends_on"]["model"]["condition"] == "service_completed_successfully"
     command = vllm["command"]
     assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
