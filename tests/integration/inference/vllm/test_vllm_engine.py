@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from agentflow.agents.runtime import PolicyRuntime
@@ -25,6 +26,22 @@ from tests.integration.inference.vllm.conftest import Served, client_of
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 TEMPLATE = ByteChatTemplate()
+LONG = 1000  # tokens: the answers an update or an abort lands in
+
+
+async def started(url: str, timeout: float = 60.0) -> None:
+    """Return once the server runs a request (its own gauge says so), so what the test
+    does next lands mid-answer however loaded the machine is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with httpx.AsyncClient() as client:
+        while loop.time() < deadline:
+            text = (await client.get(f"{url}/metrics", timeout=10)).text
+            for line in text.splitlines():
+                if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0:
+                    return
+            await asyncio.sleep(0.005)
+    raise AssertionError("the request did not start")
 
 
 async def test_a_session_s_turns_are_the_servers_tokens_and_the_trainers_logprobs(
@@ -96,17 +113,17 @@ async def test_a_caller_abort_ends_its_request(vllm_server: Served) -> None:
     engine = client_of(vllm_server)
     request = GenerateRequest(
         input_ids=(TEMPLATE.tokenizer.bos_id,),
-        sampling=SamplingParams(max_new_tokens=900),
+        sampling=SamplingParams(max_new_tokens=LONG),
     )
     try:
         running = asyncio.create_task(engine.generate(request))
-        await asyncio.sleep(0.5)
+        await started(vllm_server.url)
         await engine.abort(request.rid)
         result = await asyncio.wait_for(running, 60)
     finally:
         await engine.close()
     assert result.finish_reason == "abort"
-    assert len(result.output_ids) < 900
+    assert len(result.output_ids) < LONG
 
 
 @pytest.mark.parametrize("interrupt", [PauseMode.RETRACT, PauseMode.ABORT])
@@ -120,7 +137,7 @@ async def test_a_publish_mid_answer_splits_its_spans(
     runtime = PolicyRuntime(
         engine=engine,
         template=TEMPLATE,
-        sampling=SamplingParams(max_new_tokens=900),
+        sampling=SamplingParams(max_new_tokens=LONG),
         max_context=1024,
         interrupt=interrupt,
     )
@@ -128,10 +145,10 @@ async def test_a_publish_mid_answer_splits_its_spans(
     try:
         before = await engine.current_version()
         request = GenerateRequest(
-            input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=900)
+            input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=LONG)
         )
         answer = asyncio.create_task(runtime.generate(request))
-        await asyncio.sleep(0.5)
+        await started(vllm_server.url)
         switched = await runtime.update_weights(
             WeightUpdate(path=str(checkpoints.other), version=before + 1)
         )
@@ -141,10 +158,10 @@ async def test_a_publish_mid_answer_splits_its_spans(
     finally:
         await engine.close()
     assert switched == before + 1
-    assert len(result.output_ids) == 900 and result.finish_reason == "length"
+    assert len(result.output_ids) == LONG and result.finish_reason == "length"
     spans = result.weight_versions
     assert [s.version for s in spans] == [before, before + 1]
-    assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 900
+    assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == LONG
     assert runtime.resubmitted == (1 if interrupt is PauseMode.ABORT else 0)
     # The old weights' KV went: retract preempts the kept request with the prefix cache.
     assert engine.prefix_cache_resets_refused == 0
