@@ -6,6 +6,7 @@ that does not fit is refused while the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import httpx
 import pytest
@@ -29,19 +30,20 @@ TEMPLATE = ByteChatTemplate()
 LONG = 1000  # tokens: the answers an update or an abort lands in
 
 
-async def started(url: str, timeout: float = 60.0) -> None:
-    """Return once the server runs a request (its own gauge says so), so what the test
-    does next lands mid-answer however loaded the machine is."""
+async def mid_answer(url: str, answer: asyncio.Task[object], wait_s: float = 3.0) -> bool:
+    """Whether `answer` is running in the server: once the server's own gauge shows a
+    request, or `wait_s` later if the gauge lags (it comes from periodic stats); False
+    when the answer already ended, so the caller tries again with a new one."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + wait_s
     async with httpx.AsyncClient() as client:
-        while loop.time() < deadline:
+        while loop.time() < deadline and not answer.done():
             text = (await client.get(f"{url}/metrics", timeout=10)).text
             for line in text.splitlines():
                 if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0:
-                    return
+                    return not answer.done()
             await asyncio.sleep(0.005)
-    raise AssertionError("the request did not start")
+    return not answer.done()
 
 
 async def test_a_session_s_turns_are_the_servers_tokens_and_the_trainers_logprobs(
@@ -116,8 +118,12 @@ async def test_a_caller_abort_ends_its_request(vllm_server: Served) -> None:
         sampling=SamplingParams(max_new_tokens=LONG),
     )
     try:
-        running = asyncio.create_task(engine.generate(request))
-        await started(vllm_server.url)
+        for _ in range(5):  # an answer that ends before the abort is tried again
+            request = request.model_copy(update={"rid": uuid.uuid4().hex})
+            running = asyncio.create_task(engine.generate(request))
+            if await mid_answer(vllm_server.url, running):
+                break
+            await running
         await engine.abort(request.rid)
         result = await asyncio.wait_for(running, 60)
     finally:
@@ -144,11 +150,15 @@ async def test_a_publish_mid_answer_splits_its_spans(
     checkpoints = vllm_server.checkpoints
     try:
         before = await engine.current_version()
-        request = GenerateRequest(
-            input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=LONG)
-        )
-        answer = asyncio.create_task(runtime.generate(request))
-        await started(vllm_server.url)
+        for _ in range(5):  # an answer that ends before the publish is tried again
+            request = GenerateRequest(
+                input_ids=(TEMPLATE.tokenizer.bos_id,),
+                sampling=SamplingParams(max_new_tokens=LONG),
+            )
+            answer = asyncio.create_task(runtime.generate(request))
+            if await mid_answer(vllm_server.url, answer):
+                break
+            await answer
         switched = await runtime.update_weights(
             WeightUpdate(path=str(checkpoints.other), version=before + 1)
         )
