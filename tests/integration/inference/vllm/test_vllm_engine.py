@@ -6,7 +6,8 @@ that does not fit is refused while the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -28,22 +29,32 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 TEMPLATE = ByteChatTemplate()
 LONG = 1000  # tokens: the answers an update or an abort lands in
+T = TypeVar("T")
 
 
-async def mid_answer(url: str, answer: asyncio.Task[object], wait_s: float = 3.0) -> bool:
-    """Whether `answer` is running in the server: once the server's own gauge shows a
-    request, or `wait_s` later if the gauge lags (it comes from periodic stats); False
-    when the answer already ended, so the caller tries again with a new one."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
+async def generated_tokens(client: httpx.AsyncClient, url: str) -> float:
+    """The server's own count of tokens it generated, from its Prometheus counter."""
+    text = (await client.get(f"{url}/metrics", timeout=10)).text
+    for line in text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("the server reports no vllm:generation_tokens_total")
+
+
+async def frozen_mid_answer(url: str, start: Callable[[], asyncio.Task[T]]) -> asyncio.Task[T]:
+    """Start an answer and freeze it in the server once it has made a token: the server's
+    counter of generated tokens moves, then `/pause?mode=keep` stops its scheduler with the
+    answer held. Whatever the caller does next (a publish, an abort) lands mid-answer however
+    loaded the machine is; the caller's publish or `/resume` lets it go on."""
     async with httpx.AsyncClient() as client:
-        while loop.time() < deadline and not answer.done():
-            text = (await client.get(f"{url}/metrics", timeout=10)).text
-            for line in text.splitlines():
-                if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) > 0:
-                    return not answer.done()
-            await asyncio.sleep(0.005)
-    return not answer.done()
+        baseline = await generated_tokens(client, url)
+        answer = start()
+        while await generated_tokens(client, url) <= baseline:
+            assert not answer.done(), "the answer ended before the server counted a token"
+            await asyncio.sleep(0.002)
+        (await client.post(f"{url}/pause?mode=keep", timeout=30)).raise_for_status()
+    assert not answer.done(), "the answer ended before the server paused"
+    return answer
 
 
 async def test_a_session_s_turns_are_the_servers_tokens_and_the_trainers_logprobs(
@@ -118,13 +129,11 @@ async def test_a_caller_abort_ends_its_request(vllm_server: Served) -> None:
         sampling=SamplingParams(max_new_tokens=LONG),
     )
     try:
-        for _ in range(5):  # an answer that ends before the abort is tried again
-            request = request.model_copy(update={"rid": uuid.uuid4().hex})
-            running = asyncio.create_task(engine.generate(request))
-            if await mid_answer(vllm_server.url, running):
-                break
-            await running
+        running = await frozen_mid_answer(
+            vllm_server.url, lambda: asyncio.create_task(engine.generate(request))
+        )
         await engine.abort(request.rid)
+        await engine.resume()
         result = await asyncio.wait_for(running, 60)
     finally:
         await engine.close()
@@ -150,15 +159,12 @@ async def test_a_publish_mid_answer_splits_its_spans(
     checkpoints = vllm_server.checkpoints
     try:
         before = await engine.current_version()
-        for _ in range(5):  # an answer that ends before the publish is tried again
-            request = GenerateRequest(
-                input_ids=(TEMPLATE.tokenizer.bos_id,),
-                sampling=SamplingParams(max_new_tokens=LONG),
-            )
-            answer = asyncio.create_task(runtime.generate(request))
-            if await mid_answer(vllm_server.url, answer):
-                break
-            await answer
+        request = GenerateRequest(
+            input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=LONG)
+        )
+        answer = await frozen_mid_answer(
+            vllm_server.url, lambda: asyncio.create_task(runtime.generate(request))
+        )
         switched = await runtime.update_weights(
             WeightUpdate(path=str(checkpoints.other), version=before + 1)
         )
