@@ -191,6 +191,19 @@ class VLLMLaunchConfig(_Section):
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="more `api_server` arguments"
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="more environment for the server (VLLM_* settings, a plugin's path)",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in value if not k or "=" in k or "\0" in k)
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names")
+        return value
 
     @field_validator("extra_args")
     @classmethod

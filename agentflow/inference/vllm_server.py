@@ -93,6 +93,7 @@ def server_env(launch: VLLMLaunchConfig) -> dict[str, str]:
     # The venv's python must not pick up this process's packages.
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
+    env.update(launch.env)  # the run's own settings last: they are what it asked for
     return env
 
 

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agentflow.run_config import RunConfig
+from agentflow.inference.vllm_server import server_env
+from agentflow.run_config import RunConfig, VLLMLaunchConfig
 
 BASE: dict[str, Any] = {
     "name": "r",
@@ -56,9 +57,26 @@ def test_launch_settings_are_checked() -> None:
         ({"kv_cache_gib": 0}, "kv_cache_gib"),
         ({"dtype": "int4"}, "dtype"),
         ({"extra_args": ["--port=9"]}, "set from the run's config"),
+        ({"env": {"A=B": "1"}}, "not environment variable names"),
     ):
         assert why in _refused({"engine": {"type": "vllm", "launch": launch}})
 
 
 def test_not_on_ray_yet() -> None:
     assert "not placed on Ray yet" in _refused({"placement": {"ray": "local"}})
+
+
+def test_the_runs_environment_comes_last_and_the_gateways_path_not_at_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/gateway/site")
+    launch = VLLMLaunchConfig(
+        python="/venv/bin/python", env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "X": "y"}
+    )
+    env = server_env(launch)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["X"] == "y"
+    assert "PYTHONPATH" not in env
+    assert (
+        server_env(launch.model_copy(update={"env": {"PYTHONPATH": "/plugins"}}))["PYTHONPATH"]
+        == "/plugins"
+    )

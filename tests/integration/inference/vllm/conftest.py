@@ -10,6 +10,7 @@ and other weights (a new version to publish); `misfit` has other shapes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from tests.support.teach import teach
 REPO = Path(__file__).resolve().parents[4]
 VENV = Path(os.environ.get("AGENTFLOW_TEST_VLLM_VENV", REPO / DEFAULT_VENV))
 MAX_MODEL_LEN = 1024
+PLUGINS = REPO / "tests" / "support" / "vllm_plugins"
 SYSTEM = {"role": "system", "content": "Find the pet with the lookup tool, then answer."}
 
 
@@ -53,6 +55,17 @@ class Served:
     url: str
     server: VLLMServer
     checkpoints: Checkpoints
+    pace_file: Path  # while it exists, each decoding step sleeps the seconds it holds
+
+    @contextlib.contextmanager
+    def paced(self, seconds_per_step: float) -> Iterator[None]:
+        """Slow the server's decoding (tests/support/vllm_plugins) for what must land
+        mid-answer; the tokens and log-probs stay the model's."""
+        self.pace_file.write_text(str(seconds_per_step))
+        try:
+            yield
+        finally:
+            self.pace_file.unlink(missing_ok=True)
 
 
 def lookup_prompt() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
@@ -121,14 +134,19 @@ def launch_config(**update: object) -> VLLMLaunchConfig:
 def vllm_server(
     vllm_checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    pace_file = logs / "pace"
     server = VLLMServer(
-        launch_config(),
+        launch_config(
+            extra_args=["--logits-processors", "agentflow_test_pacing:PacingLogitsProcessor"],
+            env={"PYTHONPATH": str(PLUGINS), "AGENTFLOW_TEST_VLLM_PACE_FILE": str(pace_file)},
+        ),
         str(vllm_checkpoints.policy),
-        log_dir=tmp_path_factory.mktemp("vllm-logs"),
+        log_dir=logs,
     )
     url = server.start()
     try:
-        yield Served(url=url, server=server, checkpoints=vllm_checkpoints)
+        yield Served(url=url, server=server, checkpoints=vllm_checkpoints, pace_file=pace_file)
     finally:
         server.stop()
 

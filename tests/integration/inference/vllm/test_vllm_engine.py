@@ -32,28 +32,30 @@ LONG = 1000  # tokens: the answers an update or an abort lands in
 T = TypeVar("T")
 
 
+PACE = 0.05  # s per decoding step while an abort or a publish must land mid-answer
+
+
 async def generated_tokens(client: httpx.AsyncClient, url: str) -> float:
     """The server's own count of tokens it generated, from its Prometheus counter."""
-    text = (await client.get(f"{url}/metrics", timeout=10)).text
+    text = (await client.get(f"{url}/metrics", timeout=60)).text
     for line in text.splitlines():
         if line.startswith("vllm:generation_tokens_total"):
             return float(line.split()[-1])
     raise AssertionError("the server reports no vllm:generation_tokens_total")
 
 
-async def frozen_mid_answer(url: str, start: Callable[[], asyncio.Task[T]]) -> asyncio.Task[T]:
-    """Start an answer and freeze it in the server once it has made a token: the server's
-    counter of generated tokens moves, then `/pause?mode=keep` stops its scheduler with the
-    answer held. Whatever the caller does next (a publish, an abort) lands mid-answer however
-    loaded the machine is; the caller's publish or `/resume` lets it go on."""
+async def started(url: str, start: Callable[[], asyncio.Task[T]]) -> asyncio.Task[T]:
+    """Start an answer and return once the server has decoded a token of it (its counter
+    of generated tokens moved). Under `Served.paced` the rest of the answer takes
+    `LONG * PACE` seconds, time enough for the caller's abort or publish to land in it
+    however loaded the machine is."""
     async with httpx.AsyncClient() as client:
         baseline = await generated_tokens(client, url)
         answer = start()
         while await generated_tokens(client, url) <= baseline:
             assert not answer.done(), "the answer ended before the server counted a token"
-            await asyncio.sleep(0.002)
-        (await client.post(f"{url}/pause?mode=keep", timeout=30)).raise_for_status()
-    assert not answer.done(), "the answer ended before the server paused"
+            await asyncio.sleep(0.01)
+    assert not answer.done(), "the answer ended while it was paced"
     return answer
 
 
@@ -129,12 +131,12 @@ async def test_a_caller_abort_ends_its_request(vllm_server: Served) -> None:
         sampling=SamplingParams(max_new_tokens=LONG),
     )
     try:
-        running = await frozen_mid_answer(
-            vllm_server.url, lambda: asyncio.create_task(engine.generate(request))
-        )
-        await engine.abort(request.rid)
-        await engine.resume()
-        result = await asyncio.wait_for(running, 60)
+        with vllm_server.paced(PACE):
+            running = await started(
+                vllm_server.url, lambda: asyncio.create_task(engine.generate(request))
+            )
+            await engine.abort(request.rid)
+            result = await asyncio.wait_for(running, 60)
     finally:
         await engine.close()
     assert result.finish_reason == "abort"
@@ -162,12 +164,13 @@ async def test_a_publish_mid_answer_splits_its_spans(
         request = GenerateRequest(
             input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=LONG)
         )
-        answer = await frozen_mid_answer(
-            vllm_server.url, lambda: asyncio.create_task(runtime.generate(request))
-        )
-        switched = await runtime.update_weights(
-            WeightUpdate(path=str(checkpoints.other), version=before + 1)
-        )
+        with vllm_server.paced(PACE):
+            answer = await started(
+                vllm_server.url, lambda: asyncio.create_task(runtime.generate(request))
+            )
+            switched = await runtime.update_weights(
+                WeightUpdate(path=str(checkpoints.other), version=before + 1)
+            )
         result = await asyncio.wait_for(answer, 120)
         # Back to the served policy, as a newer version still, for the other tests.
         await runtime.update_weights(WeightUpdate(path=str(checkpoints.policy), version=before + 2))
