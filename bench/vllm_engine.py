@@ -55,16 +55,23 @@ TEMPLATE = ByteChatTemplate()
 
 
 def checkpoint(path: str | None, scratch: Path, shape: dict[str, int], seed: int = 0) -> Path:
-    if path:
-        return Path(path)
-    default = Path("runs/quickstart-vllm/sft")
-    if shape is QUICKSTART and seed == 0 and (default / "config.json").is_file():
-        return default
+    """The checkpoint to serve, its output head untied as AgentFlow serves it on vLLM
+    (agentflow/inference/vllm_checkpoint.py: a tied head goes stale on reload)."""
+    from agentflow.inference.vllm_checkpoint import is_tied, untie_head
     from agentflow.modeling import ModelInit, build_model, save_model
 
-    return save_model(
-        build_model(ModelInit(**shape), seed=seed), scratch / f"m{seed}-{shape['layers']}"
-    )
+    default = Path("runs/quickstart-vllm/sft")
+    if path:
+        model = Path(path)
+    elif shape is QUICKSTART and seed == 0 and (default / "config.json").is_file():
+        model = default
+    else:
+        model = save_model(
+            build_model(ModelInit(**shape), seed=seed), scratch / f"m{seed}-{shape['layers']}"
+        )
+    if not is_tied(model):
+        return model
+    return untie_head(model, scratch / f"untied-{seed}-{shape['layers']}")
 
 
 def server(model: Path, dtype: str = "float32", kv_gib: int = 1) -> VLLMServer:

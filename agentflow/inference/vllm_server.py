@@ -89,6 +89,10 @@ def server_env(launch: VLLMLaunchConfig) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         VLLM_DO_NOT_TRACK="1",
         HF_HUB_OFFLINE="1",  # a local checkpoint; nothing is fetched
+        # The CPU build's sampler is wrapped in torch.compile, whose inductor backend needs
+        # a C++ compiler at the first request; without one the engine core dies there. The
+        # model itself runs eager (--enforce-eager), so nothing here needs compiling.
+        TORCHDYNAMO_DISABLE="1",
     )
     # The venv's python must not pick up this process's packages.
     env.pop("PYTHONPATH", None)

@@ -76,6 +76,7 @@ def test_the_runs_environment_comes_last_and_the_gateways_path_not_at_all(
     env = server_env(launch)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["X"] == "y"
     assert "PYTHONPATH" not in env
+    assert env["TORCHDYNAMO_DISABLE"] == "1"  # no C++ compiler needed by the sampler
     assert (
         server_env(launch.model_copy(update={"env": {"PYTHONPATH": "/plugins"}}))["PYTHONPATH"]
         == "/plugins"

@@ -151,6 +151,9 @@ def test_vllm_profile_services() -> None:
     for flag in ("--enable-scale-out", "--enable-prefix-caching", "--logprobs-mode"):
         assert flag in command
     assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"  # the RL routes
+    # The engine core's shared-memory ring (160 MiB) does not fit the default 64 MiB.
+    assert vllm["shm_size"] in ("1gb", 1 << 30, "1073741824")
+    assert vllm["environment"]["TORCHDYNAMO_DISABLE"] == "1"  # no compiler in the image
     assert vllm["user"] == "agentflow" and "18100/health" in " ".join(vllm["healthcheck"]["test"])
     assert trainer["depends_on"]["vllm"]["condition"] == "service_healthy"
     # Published weights and the checkpoint are at the same paths for all three.

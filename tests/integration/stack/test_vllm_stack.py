@@ -117,10 +117,6 @@ def _wait(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-@pytest.mark.skip(
-    reason="open (issue 35): the vllm service's engine core fails to initialize inside its "
-    "container (the same server runs on the host); docs/compose.md"
-)
 def test_vllm_profile_trains_through_the_vllm_service(stack: Stack, tmp_path: Path) -> None:
     env = _env(stack)
     gateway = f"http://127.0.0.1:{env['AGENTFLOW_GATEWAY_PORT']}"
@@ -133,10 +129,20 @@ def test_vllm_profile_trains_through_the_vllm_service(stack: Stack, tmp_path: Pa
     assert served["root"] == "/data/models/policy"
 
     stack.up("trainer-vllm", timeout=300)
-    _wait(lambda: stack.state("trainer-vllm")["status"] == "exited", 600, "the trainer to finish")
+    try:
+        _wait(
+            lambda: stack.state("trainer-vllm")["status"] == "exited", 600, "the trainer to finish"
+        )
+    except AssertionError:
+        # What the run and the services said, so a failure here names its cause.
+        logs = stack.compose("logs", "trainer-vllm", "gateway", "vllm").stdout
+        runs = httpx.get(f"{gateway}/v1/runs", params={"name": RUN_NAME}, headers=auth).json()
+        print(json.dumps(runs, indent=1)[:4000])
+        said = [ln for ln in logs.splitlines() if "/health" not in ln and "/lease" not in ln]
+        print("\n".join(said))
+        raise
     trainer = stack.state("trainer-vllm")
-    logs = stack.compose("logs", "--tail", "40", "trainer-vllm", "gateway").stdout
-    assert trainer["exit_code"] == "0", logs
+    assert trainer["exit_code"] == "0", stack.compose("logs", "--tail", "40", "trainer-vllm").stdout
 
     (run,) = httpx.get(f"{gateway}/v1/runs", params={"name": RUN_NAME}, headers=auth).json()[
         "items"
