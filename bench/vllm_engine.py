@@ -236,13 +236,13 @@ async def episodes(send, n: int = 8, turns: int = 10) -> float:
     cached = prompt = 0
     rng = random.Random(3)
     for episode in range(n):
-        context: tuple[int, ...] = prompts(1, 200, seed=10 + episode)[0]
+        context: tuple[int, ...] = prompts(1, 100, seed=10 + episode)[0]
         state: dict[str, object] = {}
         for turn in range(turns):
             result = await send(episode, turn, context, state)
             cached += result.cached_tokens
             prompt += result.prompt_tokens
-            observation = tuple(rng.randrange(32, 127) for _ in range(40))
+            observation = tuple(rng.randrange(32, 127) for _ in range(20))
             context = (*context, *result.output_ids, *observation)
             state["observation"] = observation
     return cached / prompt
