@@ -295,6 +295,12 @@ def _spans(meta: dict[str, Any], n_out: int) -> list[VersionSpan]:
             return []
         version = version_from_wire(meta.get("weight_version"))
         return [VersionSpan(version=version, start=0, end=n_out)]
+    return spans_from_wire(raw)
+
+
+def spans_from_wire(raw: Any) -> list[VersionSpan]:
+    """An answer's `weight_versions` as both servers send them: a list of
+    `{version, start, end}` (the version as its label string)."""
     if not isinstance(raw, list):
         raise EngineError(f"weight_versions must be a list, got {raw!r}")
     spans = []

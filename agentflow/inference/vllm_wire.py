@@ -27,7 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentflow.errors import EngineError
 from agentflow.inference.base import FinishReason, GenerateResult, SamplingParams, VersionSpan
-from agentflow.inference.sglang_wire import merge_spans, version_from_wire, version_to_wire
+from agentflow.inference.sglang_wire import (
+    merge_spans,
+    spans_from_wire,
+    version_to_wire,
+)
 
 VLLM_VERSION = "0.32.0"
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -96,20 +100,7 @@ def _finish_reason(raw: Any) -> FinishReason:
 def _spans(raw: Any, n_out: int, fallback: int) -> list[VersionSpan]:
     if not raw:
         return [VersionSpan(version=fallback, start=0, end=n_out)] if n_out else []
-    if not isinstance(raw, list):
-        raise EngineError(f"weight_versions must be a list, got {raw!r}")
-    spans = []
-    for item in raw:
-        if not isinstance(item, dict) or not {"version", "start", "end"} <= item.keys():
-            raise EngineError(f"weight_versions entry {item!r} lacks version/start/end")
-        spans.append(
-            VersionSpan(
-                version=version_from_wire(item["version"]),
-                start=int(item["start"]),
-                end=int(item["end"]),
-            )
-        )
-    return merge_spans(spans)
+    return merge_spans(spans_from_wire(raw))
 
 
 def _top(entry: dict[str, Any], k: int) -> list[tuple[int, float]]:
