@@ -27,11 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentflow.errors import EngineError
 from agentflow.inference.base import FinishReason, GenerateResult, SamplingParams, VersionSpan
-from agentflow.inference.sglang_wire import (
-    merge_spans,
-    spans_from_wire,
-    version_to_wire,
-)
+from agentflow.inference.sglang_wire import merge_spans, spans_from_wire, version_to_wire
 
 VLLM_VERSION = "0.32.0"
 GENERATE_ROUTE = "/inference/v1/generate"

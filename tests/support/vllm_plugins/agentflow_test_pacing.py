@@ -24,10 +24,6 @@ class PacingLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
         self.pace_file = os.environ.get("AGENTFLOW_TEST_VLLM_PACE_FILE", "")
 
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        return None
-
     def is_argmax_invariant(self) -> bool:
         return False  # so vLLM calls `apply` for greedy batches too
 

@@ -6,8 +6,8 @@ that does not fit is refused while the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -29,10 +29,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 TEMPLATE = ByteChatTemplate()
 LONG = 1000  # tokens: the answers an update or an abort lands in
-T = TypeVar("T")
-
-
 PACE = 0.05  # s per decoding step while an abort or a publish must land mid-answer
+T = TypeVar("T")
 
 
 async def generated_tokens(client: httpx.AsyncClient, url: str) -> float:
@@ -44,14 +42,14 @@ async def generated_tokens(client: httpx.AsyncClient, url: str) -> float:
     raise AssertionError("the server reports no vllm:generation_tokens_total")
 
 
-async def started(url: str, start: Callable[[], asyncio.Task[T]]) -> asyncio.Task[T]:
+async def started(url: str, answering: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     """Start an answer and return once the server has decoded a token of it (its counter
     of generated tokens moved). Under `Served.paced` the rest of the answer takes
     `LONG * PACE` seconds, time enough for the caller's abort or publish to land in it
     however loaded the machine is."""
     async with httpx.AsyncClient() as client:
         baseline = await generated_tokens(client, url)
-        answer = start()
+        answer = asyncio.create_task(answering)
         while await generated_tokens(client, url) <= baseline:
             assert not answer.done(), "the answer ended before the server counted a token"
             await asyncio.sleep(0.01)
@@ -132,9 +130,7 @@ async def test_a_caller_abort_ends_its_request(vllm_server: Served) -> None:
     )
     try:
         with vllm_server.paced(PACE):
-            running = await started(
-                vllm_server.url, lambda: asyncio.create_task(engine.generate(request))
-            )
+            running = await started(vllm_server.url, engine.generate(request))
             await engine.abort(request.rid)
             result = await asyncio.wait_for(running, 60)
     finally:
@@ -165,9 +161,7 @@ async def test_a_publish_mid_answer_splits_its_spans(
             input_ids=(TEMPLATE.tokenizer.bos_id,), sampling=SamplingParams(max_new_tokens=LONG)
         )
         with vllm_server.paced(PACE):
-            answer = await started(
-                vllm_server.url, lambda: asyncio.create_task(runtime.generate(request))
-            )
+            answer = await started(vllm_server.url, runtime.generate(request))
             switched = await runtime.update_weights(
                 WeightUpdate(path=str(checkpoints.other), version=before + 1)
             )
