@@ -882,10 +882,16 @@ class RunConfig(_Section):
                 "[placement] ray to start them as engine actors"
             )
         if isinstance(value, VLLMEngineConfig) and placed:
-            raise ValueError(
-                "vLLM engines are not placed on Ray yet: leave [placement] ray empty "
-                '(docs/inference.md, "VLLMEngine")'
-            )
+            if value.launch is None:
+                raise ValueError(
+                    "engine.urls: with [placement] ray the engine actors start their vLLM "
+                    "servers from [engine.launch]; give that instead"
+                )
+            if value.launch.servers != 1:
+                raise ValueError(
+                    "engine.launch.servers: with [placement] ray each engine actor starts one "
+                    "server; set placement.engines for more"
+                )
         if isinstance(value, SGLangEngineConfig) and value.urls and placed:
             raise ValueError(
                 "engine.urls: with [placement] ray the engine actors start their SGLang "

@@ -111,6 +111,7 @@ class VLLMEngine:
         self._running = 0
         self._served: wire.TensorShapes | None = None
         self.prefix_cache_resets_refused = 0
+        self._closed = False
 
     @property
     def url(self) -> str:
@@ -301,6 +302,7 @@ class VLLMEngine:
         )
 
     async def close(self) -> None:
+        self._closed = True
         try:
             if self._own_client:
                 for client in self._clients:
@@ -340,11 +342,17 @@ class VLLMEngine:
             if await self._gone():
                 raise EngineLost(f"the vLLM server at {self._url} is gone: {exc}") from exc
             raise
+        except RuntimeError as exc:
+            # A call still retrying when its engine was found dead and closed (by the
+            # pool, from another request) meets a closed client: the engine is lost.
+            if self._closed:
+                raise EngineLost(f"the vLLM server at {self._url} is gone ({exc})") from exc
+            raise
 
     async def _gone(self) -> bool:
         """Whether the server is dead rather than slow: its process ended (one this side
         started), or nothing answers on its port."""
-        if self.server is not None and not self.server.alive():
+        if self._closed or (self.server is not None and not self.server.alive()):
             return True
         try:
             await self._clients[0].get(f"{self._url}/health", timeout=5.0)

@@ -44,31 +44,13 @@ VOCAB_PROBE = "AgentFlow checks the vocabulary: 0123456789, ünïcödé, 中文,
 def build_vllm_engine(config: RunConfig, template: ChatTemplate) -> tuple[Engine, int]:
     engine_config = config.engine
     assert isinstance(engine_config, VLLMEngineConfig)
-    if not config.model.path:
-        raise InvalidInput(
-            "a vllm engine serves a checkpoint: model.path is empty", field=("model", "path")
-        )
-    model_path = str(Path(config.model.path).resolve())
+    model_path = served_model_path(config)
     servers: list[VLLMServer] = []
     if engine_config.launch is not None:
-        # The servers load an untied copy (vllm_checkpoint.py says why), made with vLLM's
-        # own python, which has what it takes to read and write the tensors.
-        if is_tied(model_path):
-            served = run_directory(config) / "vllm" / "served-model"
-            model_path = str(untie_head(model_path, served, python=engine_config.launch.python))
         servers = _launch_all(config, model_path)
         urls = [s.url for s in servers]
     else:
         urls = [str(u).rstrip("/") for u in engine_config.urls]
-        if is_tied(model_path):
-            raise InvalidInput(
-                f"{model_path} ties its output head to its input embedding, and vLLM "
-                f"{VLLM_VERSION} loses that tie when it reloads weights (the head would "
-                "stay at the first version); serve an untied copy: `agentflow engine "
-                "untie-head CHECKPOINT --out DIR`, start the servers from DIR and set "
-                "model.path to DIR",
-                field=("model", "path"),
-            )
     try:
         contexts = [_check_server(url, config, template, model_path) for url in urls]
     except BaseException:
@@ -89,11 +71,64 @@ def build_vllm_engine(config: RunConfig, template: ChatTemplate) -> tuple[Engine
             import asyncio
 
             server = _server(config, model_path, index)
-            url = await asyncio.to_thread(server.start)
+            try:
+                url = await asyncio.to_thread(server.start)
+            except asyncio.CancelledError:  # the pool closed: the start gives up, ends it
+                await asyncio.to_thread(server.stop)
+                raise
             log.warning("vLLM server %d started again (generation %d): %s", index, generation, url)
             return _engine(config, url, server, model_path)
 
     return EnginePool(engines, replace=replace), max_context
+
+
+def served_model_path(config: RunConfig) -> str:
+    """The checkpoint the run's servers serve: `model.path`, or, for servers launched
+    here from a tied checkpoint, an untied copy in the run directory (made with vLLM's
+    own python, which has what it takes to read and write the tensors; vllm_checkpoint.py
+    says why). Servers that already run must serve an untied checkpoint already."""
+    engine_config = config.engine
+    assert isinstance(engine_config, VLLMEngineConfig)
+    if not config.model.path:
+        raise InvalidInput(
+            "a vllm engine serves a checkpoint: model.path is empty", field=("model", "path")
+        )
+    model_path = str(Path(config.model.path).resolve())
+    if not is_tied(model_path):
+        return model_path
+    if engine_config.launch is not None:
+        served = run_directory(config) / "vllm" / "served-model"
+        return str(untie_head(model_path, served, python=engine_config.launch.python))
+    raise InvalidInput(
+        f"{model_path} ties its output head to its input embedding, and vLLM "
+        f"{VLLM_VERSION} loses that tie when it reloads weights (the head would "
+        "stay at the first version); serve an untied copy: `agentflow engine "
+        "untie-head CHECKPOINT --out DIR`, start the servers from DIR and set "
+        "model.path to DIR",
+        field=("model", "path"),
+    )
+
+
+def launch_one(
+    config: RunConfig, template: ChatTemplate, model_path: str, index: int, *, host: str
+) -> tuple[VLLMEngine, int]:
+    """One server of `[engine.launch]` listening on `host`, started and checked, and the
+    engine that owns it (an engine actor's: `agentflow.placement.engines`); its context
+    length. `model_path` is `served_model_path(config)`."""
+    engine_config = config.engine
+    assert isinstance(engine_config, VLLMEngineConfig) and engine_config.launch is not None
+    on_host = engine_config.model_copy(
+        update={"launch": engine_config.launch.model_copy(update={"host": host})}
+    )
+    config = config.model_copy(update={"engine": on_host})
+    server = _server(config, model_path, index)
+    url = server.start()
+    try:
+        max_context = _check_server(url, config, template, model_path)
+    except BaseException:
+        server.stop()
+        raise
+    return _engine(config, url, server, model_path), max_context
 
 
 def _server(config: RunConfig, model_path: str, index: int) -> VLLMServer:

@@ -2,11 +2,12 @@
 
 Each actor (`EngineHost`) holds one engine in its own process, in a bundle of the run's
 placement group (`placement.engine_cpus` / `engine_gpus` each, `strategy`): the local
-engine, or an SGLang server it starts on its node and GPUs
-(`agentflow.placement.sglang_server`). The gateway talks to it through `RayEngine`, an
-`Engine` whose calls are actor calls. An actor that exits (killed, out of memory, its
-node gone) surfaces as `EngineLost`, and the pool builds a new actor in the same bundle,
-loaded with the run's newest weights.
+engine, an SGLang server it starts on its node and GPUs
+(`agentflow.placement.sglang_server`), or a vLLM server it starts from `[engine.launch]`
+(`agentflow.inference.vllm_pool.launch_one`); a server lives and dies with its actor.
+The gateway talks to it through `RayEngine`, an `Engine` whose calls are actor calls. An
+actor that exits (killed, out of memory, its node gone) surfaces as `EngineLost`, and the
+pool builds a new actor in the same bundle, loaded with the run's newest weights.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from agentflow.errors import AgentFlowError, EngineLost, EngineUnavailable
@@ -26,9 +30,15 @@ from agentflow.inference.base import (
     WeightUpdate,
 )
 from agentflow.inference.pool import EnginePool
+from agentflow.inference.vllm_server import VLLMServer
 from agentflow.placement.cluster import LOOPBACK, connect, import_ray
 from agentflow.placement.sglang_server import SGLangServer
-from agentflow.run_config import PlacementConfig, RunConfig, SGLangEngineConfig
+from agentflow.run_config import (
+    PlacementConfig,
+    RunConfig,
+    SGLangEngineConfig,
+    VLLMEngineConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +55,35 @@ def engine_seed(seed: int, index: int, generation: int) -> int:
 class EngineHost:
     """The body of an engine actor: the run's local engine, in this process."""
 
-    def __init__(self, config_document: dict[str, Any], index: int, generation: int) -> None:
+    def __init__(
+        self,
+        config_document: dict[str, Any],
+        index: int,
+        generation: int,
+        served_model: str | None = None,
+    ) -> None:
         from agentflow.inference.factory import build_engine
 
         self.engine: Engine
         config = RunConfig.model_validate(config_document)
         self.index, self.generation = index, generation
         self.server: SGLangServer | None = None
+        self._vllm_server: VLLMServer | None = None
         # The engine itself, not another pool: this actor is one member.
         alone = config.model_copy(update={"placement": PlacementConfig()})
+        if isinstance(config.engine, VLLMEngineConfig):
+            from agentflow.inference.factory import build_template
+            from agentflow.inference.vllm_pool import launch_one, served_model_path
+
+            model_path = served_model or served_model_path(config)
+            served, self.max_context = launch_one(
+                alone, build_template(config), model_path, index, host=_serving_host(config)
+            )
+            assert isinstance(served.server, VLLMServer)
+            self._vllm_server = served.server
+            self.engine = served
+            _exit_with(served.server, lambda: self._closing)
+            return
         if isinstance(config.engine, SGLangEngineConfig):
             self.server = SGLangServer(config, _serving_host(config))
             url = self.server.start()
@@ -77,12 +107,12 @@ class EngineHost:
         self.engine = engine
 
     async def ready(self) -> dict[str, Any]:
-        import os
-
         return {"pid": os.getpid(), "max_context": self.max_context}
 
     async def server_url(self) -> str | None:
-        """The SGLang server this actor started, if it started one."""
+        """The SGLang or vLLM server this actor started, if it started one."""
+        if self._vllm_server is not None:
+            return self._vllm_server.url
         return self.server.url if self.server is not None else None
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -114,12 +144,34 @@ class EngineHost:
     async def accepts_images(self) -> bool:
         return await self.engine.accepts_images()
 
+    _closing = False
+
     async def close(self) -> None:
+        self._closing = True
         try:
             await self.engine.close()
         finally:
             if self.server is not None:
                 self.server.stop()
+            if self._vllm_server is not None:
+                self._vllm_server.stop()
+
+
+def _exit_with(server: VLLMServer, closing: Callable[[], bool]) -> None:
+    """End this actor's process when its vLLM server exits (a thread waits for it): the
+    gateway sees a lost engine and the pool starts a new actor, as for any engine that
+    dies. Stopping the server on `close` is not a death."""
+    process = server.process
+    assert process is not None
+
+    def watch() -> None:
+        code = process.wait()
+        if not closing():
+            log.error("the vLLM server exited with %s; its engine actor ends too", code)
+            server.stop()  # what its processes left behind (their shared memory)
+            os._exit(1)
+
+    threading.Thread(target=watch, name="vllm-server-watch", daemon=True).start()
 
 
 def _serving_host(config: RunConfig) -> str:
@@ -191,7 +243,14 @@ class RayEngine:
 class RayEnginePool(EnginePool):
     """The run's engine actors, and the placement group that holds their bundles."""
 
-    def __init__(self, engines: list[Engine], *, config: RunConfig, group: Any) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        *,
+        config: RunConfig,
+        group: Any,
+        served_model: str | None = None,
+    ) -> None:
         super().__init__(
             engines,
             replace=self._start_replacement,
@@ -199,9 +258,10 @@ class RayEnginePool(EnginePool):
         )
         self.config = config
         self.group = group
+        self.served_model = served_model
 
     async def _start_replacement(self, index: int, generation: int) -> Engine:
-        return await start_engine(self.config, self.group, index, generation)
+        return await start_engine(self.config, self.group, index, generation, self.served_model)
 
     async def close(self) -> None:
         try:
@@ -228,11 +288,14 @@ def _actor_options(config: RunConfig, group: Any, index: int, generation: int) -
     }
 
 
-async def start_engine(config: RunConfig, group: Any, index: int, generation: int) -> RayEngine:
-    """Start engine actor `index` (its `generation`-th) and wait until it serves."""
+async def start_engine(
+    config: RunConfig, group: Any, index: int, generation: int, served_model: str | None = None
+) -> RayEngine:
+    """Start engine actor `index` (its `generation`-th) and wait until it serves.
+    `served_model`: the checkpoint a vLLM actor's server loads (made once by the driver)."""
     ray = import_ray()
     remote = ray.remote(EngineHost).options(**_actor_options(config, group, index, generation))
-    actor = remote.remote(config.model_dump(mode="json"), index, generation)
+    actor = remote.remote(config.model_dump(mode="json"), index, generation, served_model)
     engine = RayEngine(actor, f"engine actor {index}.{generation}")
     try:
         await asyncio.wait_for(engine._call("ready"), _READY_TIMEOUT_S)
@@ -254,6 +317,14 @@ def place_engines(config: RunConfig) -> tuple[RayEnginePool, int]:
     """The run's engine actors in a placement group, as one pool; blocks until all
     serve (call it from a thread). Returns the pool and the engines' context length."""
     placement = config.placement
+    served_model = None
+    if isinstance(config.engine, VLLMEngineConfig):
+        # One untied copy for every actor, made here rather than by each (they would race
+        # on one directory); a cluster of several nodes needs the run directory shared.
+        from agentflow.inference.vllm_pool import served_model_path
+
+        served_model = served_model_path(config)
+
     ray = connect(
         placement.ray,
         num_cpus=placement.engines * placement.engine_cpus + placement.trainer_cpus,
@@ -272,7 +343,7 @@ def place_engines(config: RunConfig) -> tuple[RayEnginePool, int]:
 
     async def start_all() -> list[RayEngine]:
         started = await asyncio.gather(
-            *(start_engine(config, group, i, 0) for i in range(placement.engines)),
+            *(start_engine(config, group, i, 0, served_model) for i in range(placement.engines)),
             return_exceptions=True,
         )
         engines = [e for e in started if isinstance(e, RayEngine)]
@@ -290,4 +361,5 @@ def place_engines(config: RunConfig) -> tuple[RayEnginePool, int]:
         ray.util.remove_placement_group(group)
         raise
     log.info("placed %d engine actors", len(engines))
-    return RayEnginePool(list(engines), config=config, group=group), max_context
+    pool = RayEnginePool(list(engines), config=config, group=group, served_model=served_model)
+    return pool, max_context

@@ -1,6 +1,7 @@
 """`agentflow train CONFIG --ray local` end to end: a Ray cluster started for the run,
 two engine actors behind the gateway, two trainer ranks as actors publishing by disk
-sync, and nothing of the cluster left once the command returns.
+sync, one rank killed mid-run and both started again from the newest checkpoint, and
+nothing of the cluster left once the command returns.
 
 The cluster's processes are told apart from any other Ray cluster on the machine (another
 test's) by a tag in their environment, which every process the command starts inherits:
@@ -26,6 +27,8 @@ pytest.importorskip("ray")
 
 pytestmark = pytest.mark.integration
 
+STEPS = 6
+
 CONFIG = """
 name = "placed"
 seed = 0
@@ -46,7 +49,7 @@ max_staleness = 1
 max_concurrency = 32
 [trainer]
 batch_episodes = 16
-steps = 3
+steps = 6
 checkpoint_every = 2
 threads = 1
 ranks = 2
@@ -65,47 +68,15 @@ def _command(tag: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
 
 
-def test_the_run_trains_with_engines_and_ranks_as_actors(tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex
+def test_the_run_trains_with_engines_and_ranks_as_actors_through_a_rank_kill(
+    tmp_path: Path,
+) -> None:
+    """One run: two engine actors, two trainer ranks; after the third step one rank is
+    killed with SIGKILL, both ranks start again from the newest checkpoint, and the run
+    trains to its last step."""
     (tmp_path / "placed.toml").write_text(CONFIG)
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
-        cwd=tmp_path,
-        env=_command(tag),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout[done.stdout.index("{") :])
-    assert summary["steps"] == 3
-    assert summary["placement"]["engines"] == 2 and summary["placement"]["live_engines"] == 2
     run_dir = tmp_path / "runs" / "placed"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["ranks"] == 2 for r in rows)  # both trainer actors trained each batch
-    assert (run_dir / "checkpoints").is_dir()
-    with sqlite3.connect(run_dir / "agentflow.db") as db:
-        versions = db.execute(
-            "SELECT version, uri FROM weight_versions ORDER BY version"
-        ).fetchall()
-        turns = db.execute("SELECT count(*) FROM turns WHERE kind = 'policy'").fetchone()[0]
-    # Each step's weights went to the engine actors from the run directory.
-    assert [v for v, _ in versions] == [1, 2, 3]
-    assert all(str(run_dir / "weights") in uri for _, uri in versions)
-    assert turns > 0
-    # Ray's worker processes end on their own once the raylet has gone, a moment after
-    # the command returns (longer on a loaded machine): wait for them, not for ever.
-    deadline = time.monotonic() + 30
-    while tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert tagged(tag) == {}, "the cluster the command started is gone"
-
-
-def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path) -> None:
-    config = CONFIG.replace("steps = 3", "steps = 6").replace("ranks = 2", "ranks = 1")
-    (tmp_path / "placed.toml").write_text(config)
-    metrics = tmp_path / "runs" / "placed" / "metrics.jsonl"
+    metrics = run_dir / "metrics.jsonl"
     tag = uuid.uuid4().hex
     with subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", "train", "placed.toml"],
@@ -122,8 +93,8 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
                 assert time.monotonic() < deadline, "no third step"
                 time.sleep(0.2)
             trainers = [pid for pid, args in tagged(tag).items() if "ray::TrainerRank" in args]
-            assert len(trainers) == 1
-            os.kill(trainers.pop(), signal.SIGKILL)
+            assert len(trainers) == 2  # both ranks are actors, neither this process
+            os.kill(trainers[0], signal.SIGKILL)
             out, err = command.communicate(timeout=600)
         finally:
             if command.poll() is None:
@@ -131,5 +102,28 @@ def test_a_killed_trainer_actor_starts_again_from_its_checkpoint(tmp_path: Path)
     assert command.returncode == 0, err[-3000:]
     summary = json.loads(out[out.index("{\n") :])
     assert summary["trainer_restarts"] == 1
-    assert summary["last_step"] == 6
+    assert summary["last_step"] == STEPS
+    assert summary["placement"]["engines"] == 2 and summary["placement"]["live_engines"] == 2
     assert "starting the ranks again from the newest checkpoint" in out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # Steps after the newest checkpoint may be trained again after the kill.
+    assert sorted({r["step"] for r in rows}) == list(range(1, STEPS + 1))
+    assert all(r["ranks"] == 2 for r in rows)  # both trainer actors trained each batch
+    assert (run_dir / "checkpoints").is_dir()
+    with sqlite3.connect(run_dir / "agentflow.db") as db:
+        versions = db.execute(
+            "SELECT version, uri FROM weight_versions ORDER BY version"
+        ).fetchall()
+        turns = db.execute("SELECT count(*) FROM turns WHERE kind = 'policy'").fetchone()[0]
+    # Each step's weights went to the engine actors from the run directory; the steps
+    # trained again after the kill published versions of their own (versions only rise).
+    numbers = [v for v, _ in versions]
+    assert len(numbers) >= STEPS and numbers == sorted(set(numbers))
+    assert all(str(run_dir / "weights") in uri for _, uri in versions)
+    assert turns > 0
+    # Ray's worker processes end on their own once the raylet has gone, a moment after
+    # the command returns (longer on a loaded machine): wait for them, not for ever.
+    deadline = time.monotonic() + 30
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tagged(tag) == {}, "the cluster the command started is gone"

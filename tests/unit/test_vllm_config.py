@@ -62,8 +62,13 @@ def test_launch_settings_are_checked() -> None:
         assert why in _refused({"engine": {"type": "vllm", "launch": launch}})
 
 
-def test_not_on_ray_yet() -> None:
-    assert "not placed on Ray yet" in _refused({"placement": {"ray": "local"}})
+def test_on_ray_each_engine_actor_launches_one_server() -> None:
+    placed = {"placement": {"ray": "local", "engines": 2}}
+    assert "start their vLLM servers from [engine.launch]" in _refused(placed)
+    two = {"type": "vllm", "launch": {"servers": 2}}
+    assert "set placement.engines for more" in _refused({**placed, "engine": two})
+    config = RunConfig.model_validate({**BASE, **placed, "engine": {"type": "vllm", "launch": {}}})
+    assert config.placement.engines == 2
 
 
 def test_the_runs_environment_comes_last_and_the_gateways_path_not_at_all(

@@ -4,6 +4,7 @@ actors behind the gateway, one killed mid-run, and env servers as actors."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -250,6 +251,72 @@ async def test_sglang_servers_started_by_engine_actors_die_with_them(
     episodes = await all_episodes(api, run.id)
     assert {e.status for e in episodes} <= TERMINAL
     assert not [e.error for e in episodes if e.status == "failed"]
+
+
+async def test_vllm_servers_started_by_engine_actors_serve_and_die_with_them(
+    cluster: None, tmp_path: Path
+) -> None:
+    """An engine actor that starts a vLLM server from `[engine.launch]`: the driver makes
+    the untied copy the server loads, the actor's engine serves turns and takes a
+    version, and a server killed with SIGKILL takes its actor with it (a lost engine
+    for the pool to replace)."""
+    from agentflow.errors import EngineLost
+    from tests.integration.inference.vllm.conftest import vllm_python
+
+    # vLLM's CPU attention takes heads of 32 dims and more (TINY's are 16).
+    shape = ModelInit(**{**TINY, "hidden": 64})
+    tied = save_model(build_model(shape, seed=0), tmp_path / "model")
+    config = RunConfig.model_validate(
+        {
+            **run_config(engines=1),
+            "model": {"path": str(tied)},
+            "engine": {
+                "type": "vllm",
+                "launch": {"python": str(vllm_python()), "max_model_len": 256},
+            },
+            "weights": {"sync": "disk"},
+            "trainer": {"run_dir": str(tmp_path / "runs")},
+        }
+    )
+    pool, max_context = await asyncio.to_thread(place_engines, config)
+    try:
+        assert max_context == 256
+        (engine,) = pool.engines()
+        assert isinstance(engine, RayEngine)
+        url = await engine.actor.server_url.remote()
+        assert url.startswith("http://127.0.0.1:")
+        served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["root"]
+        assert served == str(tmp_path / "runs" / config.name / "vllm" / "served-model")
+        session = await pool.open_session()
+        request = GenerateRequest(
+            input_ids=(1, 2, 3),
+            sampling=SamplingParams(max_new_tokens=4),
+            session=SessionRef(session_id=session),
+        )
+        answer = await pool.generate(request)
+        assert len(answer.output_ids) == len(answer.logprobs) == 4
+        assert await pool.update_weights(WeightUpdate(path=served, version=1)) == 1
+        assert (await engine.info()).weight_version == 1
+
+        port = url.rsplit(":", 1)[1]
+        killed = subprocess.run(
+            ["pkill", "-KILL", "-f", f"vllm.entrypoints.openai.api_server .*--port {port} "],
+            check=False,
+        )
+        assert killed.returncode == 0
+
+        async def actor_gone() -> bool:
+            try:
+                await engine.actor.ready.remote()
+            except ray.exceptions.RayActorError:
+                return True
+            return False
+
+        await until(actor_gone, timeout=60.0)
+        with pytest.raises(EngineLost):
+            await pool.generate(request)
+    finally:
+        await pool.close()
 
 
 async def test_an_env_server_actor_runs_the_envs_sandboxes(cluster: None) -> None:

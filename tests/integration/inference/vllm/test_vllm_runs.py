@@ -1,8 +1,8 @@
 """Runs on vLLM servers: white-box episodes recorded with the server's tokens and
 log-probs, servers that are not the run's refused at the start, a black-box agent's chat
-with a tool call through the gateway, and two servers behind one pool (sessions keep
-their server; one killed with `kill -9` loses nothing and comes back on the newest
-weights)."""
+with a tool call through the gateway, and a run on two servers it launched, one killed
+with `kill -9` mid-run (nothing lost or recorded twice; it comes back on the run's newest
+weights; sessions keep their server)."""
 
 from __future__ import annotations
 
@@ -11,28 +11,36 @@ import json
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from sqlalchemy import func, select
 
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.api.app import create_app
 from agentflow.client import AsyncClient
 from agentflow.config import Settings
-from agentflow.errors import EngineLost, InvalidInput
-from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef, WeightUpdate
+from agentflow.db.models import Episode, Turn
+from agentflow.errors import InvalidInput
+from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef
 from agentflow.inference.factory import build_engine
 from agentflow.inference.pool import EnginePool
 from agentflow.inference.vllm import VLLMEngine
-from agentflow.inference.vllm_server import VLLMServer
 from agentflow.modeling import load_model, score
 from agentflow.run_config import RunConfig
 from agentflow.tokenization.chat import ByteChatTemplate
 from tests.integration.agents.blackbox.conftest import Gateway
-from tests.integration.inference.vllm.conftest import Served, client_of, launch_config
+from tests.integration.inference.vllm.conftest import (
+    PLUGINS,
+    Checkpoints,
+    Served,
+    client_of,
+    launch_config,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -157,89 +165,133 @@ async def test_a_blackbox_agent_calls_a_tool_through_the_gateway(
     assert policy.logprobs is not None and len(policy.logprobs) == len(policy.token_ids)
 
 
-async def test_two_servers_behind_one_pool_and_one_killed(vllm_server: Served) -> None:
-    """The shared server and one launched here, in one pool. Sessions spread over both
-    and keep their server (the second turn finds its prefix cached); the launched one is
-    killed with SIGKILL: its session fails with `EngineLost` (the agent resends the turn
-    on a new session), the other goes on, and the pool starts it again, on the newest
-    weights."""
-    checkpoints = vllm_server.checkpoints
-    launch = launch_config()
+async def test_a_server_killed_mid_run_loses_nothing_and_comes_back(
+    vllm_checkpoints: Checkpoints, sqlite_database: str, tmp_path: Path
+) -> None:
+    """A run that launches two servers itself (`[engine.launch] servers = 2`), one pool
+    routed by session. Mid-run, with answers in flight on both, one server's API process
+    is killed with SIGKILL: the turns it was answering are sent again on the other server
+    (the agent reopens the session from the recorded context), no episode fails, no turn
+    is recorded twice, the pool starts the server again on the run's newest version (the
+    dead one's processes and shared memory gone), and a session on the pool keeps its
+    server (its second turn is served from that server's prefix cache)."""
+    pace_file = tmp_path / "pace"
+    pace_file.write_text("0.2")  # s per decoding step: answers are in flight at the kill
+    launch = launch_config(
+        servers=2,
+        extra_args=["--logits-processors", "agentflow_test_pacing:PacingLogitsProcessor"],
+        env={"PYTHONPATH": str(PLUGINS), "AGENTFLOW_TEST_VLLM_PACE_FILE": str(pace_file)},
+    )
+    config = {
+        "name": f"vllm-kill-{uuid.uuid4().hex[:6]}",
+        "model": {"path": str(vllm_checkpoints.policy)},
+        "engine": {"type": "vllm", "launch": launch.model_dump(mode="json")},
+        "weights": {"sync": "disk"},
+        "envs": [{"id": "agentflow/guess-number-v0"}],
+        "agent": {"max_turns": 3, "max_new_tokens": 8, "temperature": 1.0},
+        "rollout": {
+            "group_size": 2,
+            "max_concurrency": 8,
+            "wait_for_trainer": False,
+        },
+        "trainer": {"run_dir": str(tmp_path / "runs")},
+    }
+    app = create_app(Settings(database_url=sqlite_database))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as api:
+            run = await api.create_run(config)  # returns once both servers answer
+            pool = app.state.runtimes.get(run.id).engine
+            assert isinstance(pool, EnginePool)
+            first, second = pool.engines()
+            assert isinstance(first, VLLMEngine) and isinstance(second, VLLMEngine)
+            assert second.server is not None
+            killed = second.server
+            # A version published as the trainer publishes one: both servers load it.
+            path = str(vllm_checkpoints.policy)
+            assert await api.update_weights(run.id, 1, path=path) == 1
 
-    def launched() -> VLLMServer:
-        return VLLMServer(launch, str(checkpoints.policy))
+            # Answers in flight on both servers, some turns already recorded.
+            await _until(lambda: all(s.in_flight > 0 for s in pool._slots), 120, "answers on both")
+            api_server = killed.server_pid()
+            assert api_server is not None
+            segments = killed._segments  # its engine core's shared memory
+            assert segments and all(p.exists() for p in segments)
+            os.kill(api_server, signal.SIGKILL)
 
-    first = launched()
-    await asyncio.to_thread(first.start)
-    started = [first]
+            # The pool starts it again, brought to the run's newest version.
+            await _until(lambda: pool.counters.replaced >= 1, 300, "the server started again")
+            back = pool.engines()[1]
+            assert isinstance(back, VLLMEngine) and back.url != second.url
+            assert await back.current_version() == 1
+            assert killed.process is not None
+            with pytest.raises(ProcessLookupError):  # its engine core and worker went too
+                os.killpg(killed.process.pid, 0)
+            assert not any(p.exists() for p in segments)  # and what they shared
+            assert pool.counters.lost_requests >= 1  # it died answering
 
-    shared = client_of(vllm_server)
-
-    async def replace(index: int, generation: int) -> VLLMEngine:
-        server = launched()
-        started.append(server)
-        await asyncio.to_thread(server.start)
-        return VLLMEngine(shared.settings.model_copy(update={"url": server.url}), server=server)
-
-    own = VLLMEngine(shared.settings.model_copy(update={"url": first.url}), server=first)
-    pool = EnginePool([shared, own], replace=replace)
-    prompt = checkpoints.prompt
-    sampling = SamplingParams(max_new_tokens=8, seed=1)
-    try:
-        version = await shared.current_version() + 1
-        await pool.update_weights(WeightUpdate(path=str(checkpoints.policy), version=version))
-        sessions = [await pool.open_session() for _ in range(2)]
-        firsts = [
-            await pool.generate(
+            # A session keeps its server: its second turn finds the first in that cache.
+            session = await pool.open_session()
+            sampling = SamplingParams(max_new_tokens=4, seed=1)
+            turn = await pool.generate(
                 GenerateRequest(
-                    input_ids=prompt, sampling=sampling, session=SessionRef(session_id=s)
+                    input_ids=vllm_checkpoints.prompt,
+                    sampling=sampling,
+                    session=SessionRef(session_id=session),
                 )
             )
-            for s in sessions
-        ]
-        seconds = [
-            await pool.generate(
+            again = await pool.generate(
                 GenerateRequest(
                     input_ids=(65,),
                     sampling=sampling,
-                    session=SessionRef(session_id=s, parent_rid=r.rid),
+                    session=SessionRef(session_id=session, parent_rid=turn.rid),
                 )
             )
-            for s, r in zip(sessions, firsts, strict=True)
-        ]
-        assert all(r.cached_tokens > 0 for r in seconds)
-        assert len(shared._sessions) == len(own._sessions) == 1  # one session each
+            # (Whole KV blocks are cached: all of the prompt but its last partial block.)
+            assert again.cached_tokens > len(vllm_checkpoints.prompt) // 2
+            await pool.close_session(session)
 
-        own_session = next(s for s in sessions if s in own._sessions)
-        api_server = first.server_pid()
-        assert api_server is not None
-        os.kill(api_server, signal.SIGKILL)
-        with pytest.raises(EngineLost):
-            await pool.generate(
-                GenerateRequest(
-                    input_ids=prompt, sampling=sampling, session=SessionRef(session_id=own_session)
-                )
-            )
-        other_session = next(s for s in sessions if s != own_session)
-        going_on = await pool.generate(
-            GenerateRequest(
-                input_ids=prompt, sampling=sampling, session=SessionRef(session_id=other_session)
-            )
-        )
-        assert going_on.output_ids
+            pace_file.unlink()
+            # Episodes go on, on both servers, until the run is stopped.
+            await _eventually(lambda: _ended(api, run.id, 24), 300, "24 episodes")
+            await api.stop_run(run.id)
+            await _eventually(lambda: _has_status(api, run.id, "stopped"), 120, "the run to stop")
+            episodes = (await api.list_run_episodes(run.id, limit=500)).items
+            assert {e.status for e in episodes} <= {"completed", "truncated", "aborted"}, [
+                (e.status, e.error) for e in episodes if e.status == "failed"
+            ]
+            assert sum(e.status in ("completed", "truncated") for e in episodes) >= 24
+            async with app.state.sessionmaker() as db:
+                twice = (
+                    await db.execute(
+                        select(Turn.episode_id, Turn.depth)
+                        .join(Episode, Episode.id == Turn.episode_id)
+                        .where(Episode.run_id == run.id)
+                        .group_by(Turn.episode_id, Turn.depth)
+                        .having(func.count() > 1)
+                    )
+                ).all()
+            assert twice == []  # one turn per depth: no turn recorded twice
 
-        deadline = asyncio.get_running_loop().time() + 180
-        while None in pool.engines() or pool.counters.replaced < 1:
-            assert asyncio.get_running_loop().time() < deadline, "no replacement started"
-            await asyncio.sleep(0.5)
-        # Nothing of the killed server is left: its engine core and worker went with it.
-        assert first.process is not None
-        with pytest.raises(ProcessLookupError):
-            os.killpg(first.process.pid, 0)
-        back = pool.engines()[1]
-        assert isinstance(back, VLLMEngine) and back.url != first.url
-        assert await back.current_version() == version  # the pool's newest weights
-    finally:
-        await pool.close()
-        for server in started:
-            server.stop()
+
+async def _ended(api: AsyncClient, run_id: uuid.UUID, n: int) -> bool:
+    episodes = (await api.list_run_episodes(run_id, limit=500)).items
+    return sum(e.status in ("completed", "truncated") for e in episodes) >= n
+
+
+async def _has_status(api: AsyncClient, run_id: uuid.UUID, status: str) -> bool:
+    return (await api.get_run(run_id)).status == status
+
+
+async def _eventually(predicate: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
