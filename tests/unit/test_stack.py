@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentflow.stack import Stack, StackError, _deps_key, debian_mirror
+from agentflow.stack import Stack, StackError, _cached_wheels, _deps_key, debian_mirror
 from trainer.cli import app
 
 
@@ -66,3 +66,36 @@ def test_the_deps_key_follows_the_image_requirements_only(tmp_path: Path) -> Non
     assert key('"httpx"', extras.replace("envs = []", 'envs = ["agentflow[lora]"]')) == base
     lora = extras.replace("envs = []", 'envs = ["agentflow[lora]"]') + '\nlora = ["peft"]'
     assert key('"httpx"', lora) != base  # an extra named through the project's own extras
+
+
+def test_a_wheelhouse_is_built_once_and_copied_into_each_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTFLOW_WHEEL_CACHE", str(tmp_path / "cache"))
+    builds: list[Path] = []
+
+    def build(into: Path) -> None:
+        builds.append(into)
+        (into / "dep-1.0-py3-none-any.whl").write_bytes(b"wheel")
+
+    first, second = tmp_path / "one" / "deps", tmp_path / "two" / "deps"
+    _cached_wheels("deps", "a" * 64, first, build)
+    _cached_wheels("deps", "a" * 64, second, build)
+    assert len(builds) == 1  # the second checkout copied the first's
+    for target in (first, second):
+        assert [p.name for p in target.iterdir()] == ["dep-1.0-py3-none-any.whl"]
+        assert (target / "dep-1.0-py3-none-any.whl").read_bytes() == b"wheel"
+
+    # New requirements build again and replace what the old ones left in the cache.
+    _cached_wheels("deps", "b" * 64, first, build)
+    assert len(builds) == 2
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["deps-" + "b" * 16]
+
+    # A build that fails leaves nothing kept: the next one builds again.
+    def broken(into: Path) -> None:
+        (into / "half.whl").write_bytes(b"")
+        raise StackError("pip wheel failed")
+
+    with pytest.raises(StackError):
+        _cached_wheels("deps", "c" * 64, first, broken)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["deps-" + "b" * 16]

@@ -4,6 +4,8 @@ actors behind the gateway, one killed mid-run, and env servers as actors."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -129,7 +131,7 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
         members = (await pool.info()).extra["members"]
         return any(m["generation"] == 1 and m["steps"] > 0 for m in members)
 
-    await until(replacement_served)
+    await until(replacement_served, timeout=300.0)  # a new actor loads torch and the model
     await until(lambda: ended(api, run.id, 30))
     await api.stop_run(run.id)
     await until(lambda: _status(api, run.id, "stopped"))
@@ -299,11 +301,12 @@ async def test_vllm_servers_started_by_engine_actors_serve_and_die_with_them(
         assert (await engine.info()).weight_version == 1
 
         port = url.rsplit(":", 1)[1]
-        killed = subprocess.run(
-            ["pkill", "-KILL", "-f", f"vllm.entrypoints.openai.api_server .*--port {port} "],
-            check=False,
-        )
-        assert killed.returncode == 0
+        # The API server only (its group leader's command line names it too).
+        api_server = f"^\\S*python -m vllm.entrypoints.openai.api_server .*--port {port} "
+        found = subprocess.run(["pgrep", "-f", api_server], capture_output=True, text=True)
+        (pid,) = found.stdout.split()
+        group = os.getpgid(int(pid))  # the server's processes: API server, engine core, worker
+        os.kill(int(pid), signal.SIGKILL)
 
         async def actor_gone() -> bool:
             try:
@@ -315,6 +318,15 @@ async def test_vllm_servers_started_by_engine_actors_serve_and_die_with_them(
         await until(actor_gone, timeout=60.0)
         with pytest.raises(EngineLost):
             await pool.generate(request)
+
+        async def group_gone() -> bool:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        await until(group_gone, timeout=30.0)  # nothing of the server outlives its actor
     finally:
         await pool.close()
 

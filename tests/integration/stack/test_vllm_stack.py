@@ -66,7 +66,7 @@ eval_episodes = 10
 
 
 @pytest.fixture(scope="module")
-def stack(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(stack_images: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("vllm-stack")
     ports = {name: _free_port() for name in ("GATEWAY", "POSTGRES", "VLLM")}
     run_config = tmp / "run.toml"
@@ -90,7 +90,6 @@ def stack(docker_engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     stack = Stack(
         ROOT, name=f"agentflow-vllm-test-{os.getpid()}", env_file=env_file, profiles=("vllm",)
     )
-    stack.build()
     try:
         yield stack
     finally:

@@ -155,12 +155,33 @@ async def test_a_blackbox_agent_calls_a_tool_through_the_gateway(
     client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key(episode))
     async with client:
         answer = await client.chat.completions.create(model="m", messages=messages, tools=tools)
-    gateway.call(engine.close())
     assert answer.choices[0].finish_reason == "tool_calls"
     (call,) = answer.choices[0].message.tool_calls or []
     assert call.function.name == "lookup"
     assert json.loads(call.function.arguments) == {"key": key}
     turn = uuid.UUID(answer.id.removeprefix("chatcmpl-"))
+    (policy,) = [t for t in gateway.call(gateway.turns.path(turn)) if t.kind == "policy"]
+    assert policy.logprobs is not None and len(policy.logprobs) == len(policy.token_ids)
+
+    # Streamed, the same call arrives as chunks (vLLM's answer comes whole: the gateway
+    # sends it as one stream of deltas) and is recorded the same way.
+    streamed_episode = gateway.new_episode(run)
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.key(streamed_episode))
+    async with client:
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, tools=tools, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    gateway.call(engine.close())
+    arguments = "".join(
+        call.function.arguments or ""
+        for chunk in chunks
+        for call in (chunk.choices[0].delta.tool_calls or [] if chunk.choices else [])
+        if call.function is not None
+    )
+    assert json.loads(arguments) == {"key": key}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    turn = uuid.UUID(chunks[0].id.removeprefix("chatcmpl-"))
     (policy,) = [t for t in gateway.call(gateway.turns.path(turn)) if t.kind == "policy"]
     assert policy.logprobs is not None and len(policy.logprobs) == len(policy.token_ids)
 
