@@ -35,6 +35,7 @@ from agentflow.run_config import RunConfig
 from agentflow.tokenization.chat import ByteChatTemplate
 from tests.integration.agents.blackbox.conftest import Gateway
 from tests.integration.inference.vllm.conftest import (
+    MAX_MODEL_LEN,
     PLUGINS,
     Checkpoints,
     Served,
@@ -89,6 +90,38 @@ async def test_whitebox_episodes_record_the_servers_tokens(
             assert [ours[i - 1] for i in sampled] == pytest.approx(recorded, abs=2e-3)
             checked += len(sampled)
     assert checked > 0
+
+
+async def test_an_episode_past_the_servers_context_ends_truncated(
+    vllm_server: Served, api: AsyncClient
+) -> None:
+    """The run's context is the server's `max_model_len` (1024 here), whatever token
+    budget the agent asks for: an episode that would pass it ends truncated, with the
+    reason, and the run goes on."""
+    config = run_config(vllm_server)
+    config["agent"] = {
+        "max_turns": 200,
+        "max_new_tokens": 64,
+        "max_tokens": 8192,
+        "temperature": 0.0,  # greedy: the same episodes every time
+    }
+    config["rollout"] = {"group_size": 2, "max_episodes": 2, "wait_for_trainer": False}
+    # Guesses enough to fill the context (the env's own default ends at 5).
+    config["envs"] = [{"id": "agentflow/guess-number-v0", "kwargs": {"max_turns": 200}}]
+    run = await api.create_run(config)
+    deadline = asyncio.get_running_loop().time() + 240
+    while (await api.get_run(run.id)).status != "finished":
+        assert asyncio.get_running_loop().time() < deadline, "the run did not finish"
+        await asyncio.sleep(0.2)
+    episodes = (await api.list_run_episodes(run.id)).items
+    assert len(episodes) == 2
+    for episode in episodes:
+        assert (episode.status, episode.error) == ("truncated", "token budget reached")
+        for listed in (await api.get_episode(episode.id))["trajectories"]:
+            trajectory = await api.get_trajectory(listed["id"])
+            # It got to the server's limit (no request past it: the server would have
+            # refused it and failed the episode).
+            assert len(trajectory["token_ids"]) > MAX_MODEL_LEN - 64
 
 
 def test_servers_that_are_not_the_runs_are_refused(vllm_server: Served) -> None:
