@@ -30,6 +30,7 @@ from agentflow.inference.base import (
     WeightUpdate,
 )
 from agentflow.inference.pool import EnginePool
+from agentflow.inference.vllm import VLLMEngine
 from agentflow.inference.vllm_server import VLLMServer
 from agentflow.placement.cluster import LOOPBACK, connect, import_ray
 from agentflow.placement.sglang_server import SGLangServer
@@ -68,7 +69,7 @@ class EngineHost:
         config = RunConfig.model_validate(config_document)
         self.index, self.generation = index, generation
         self.server: SGLangServer | None = None
-        self._vllm_server: VLLMServer | None = None
+        self._closing = False  # a server stopped by close() is not a death
         # The engine itself, not another pool: this actor is one member.
         alone = config.model_copy(update={"placement": PlacementConfig()})
         if isinstance(config.engine, VLLMEngineConfig):
@@ -80,8 +81,7 @@ class EngineHost:
                 alone, build_template(config), model_path, index, host=_serving_host(config)
             )
             assert isinstance(served.server, VLLMServer)
-            self._vllm_server = served.server
-            self.engine = served
+            self.engine = served  # it stops its server when it closes
             _exit_with(served.server, lambda: self._closing)
             return
         if isinstance(config.engine, SGLangEngineConfig):
@@ -111,8 +111,8 @@ class EngineHost:
 
     async def server_url(self) -> str | None:
         """The SGLang or vLLM server this actor started, if it started one."""
-        if self._vllm_server is not None:
-            return self._vllm_server.url
+        if isinstance(self.engine, VLLMEngine):
+            return self.engine.url
         return self.server.url if self.server is not None else None
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -144,8 +144,6 @@ class EngineHost:
     async def accepts_images(self) -> bool:
         return await self.engine.accepts_images()
 
-    _closing = False
-
     async def close(self) -> None:
         self._closing = True
         try:
@@ -153,8 +151,6 @@ class EngineHost:
         finally:
             if self.server is not None:
                 self.server.stop()
-            if self._vllm_server is not None:
-                self._vllm_server.stop()
 
 
 def _exit_with(server: VLLMServer, closing: Callable[[], bool]) -> None:
