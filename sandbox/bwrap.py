@@ -6,15 +6,21 @@ What it isolates
     * Filesystem: the sandbox sees a read-only ``/usr`` (with the ``/bin``, ``/lib*``
       links), a handful of read-only ``/etc`` files (passwd, group, the loader cache,
       ...; never ``shadow``, never ``/root`` or home directories), a fresh ``/dev`` and
-      ``/proc``, a private size-capped tmpfs ``/tmp``, and its work dir at ``/work``,
+      ``/proc``, a private capped tmpfs ``/tmp`` (kept between the sandbox's execs where
+      it is host-mounted, see below), and its work dir at ``/work``,
       the only host directory it can write. The root is remounted read-only.
     * Work-dir size: where this process may mount (root or ``CAP_SYS_ADMIN``), the work
       dir is a tmpfs mounted on the host with ``size=`` and ``nr_inodes=``
       (``max_workdir_bytes``, ``max_workdir_files``), so writing past either cap fails
       with ``ENOSPC`` inside and never touches the host disk. Its pages live in memory
       and are charged to the sandbox's memory cgroup, whose limit is therefore
-      ``memory_mb + max_workdir_bytes``; ``RLIMIT_AS`` still holds each process at
+      ``memory_mb + max_workdir_bytes + tmp_size_mb``; ``RLIMIT_AS`` still holds each process at
       ``memory_mb``. The tmpfs is unmounted on close (and by the finalizer).
+    * ``/tmp``: like the work dir, where this process may mount, a tmpfs mounted on the
+      host with ``size=`` (``tmp_size_mb``) and ``nr_inodes=`` (``tmp_max_files``) and
+      bound at ``/tmp``; elsewhere bwrap's own size-capped tmpfs (no file-count cap).
+      Either way its pages are charged to the sandbox's memory cgroup, so the cgroup's
+      limit adds ``tmp_size_mb`` on top: a full ``/tmp`` never eats into ``memory_mb``.
     * Identity: runs as uid/gid 65534 (``nobody``) inside a new user namespace; when the
       host process is root, bwrap itself is started as host uid 65534 too, so even an
       escape from the namespaces lands as ``nobody``. All capabilities are dropped, new
@@ -126,17 +132,67 @@ def _check_traversable(root: Path) -> None:
             raise ValueError(f"workdir_root {root}: {d} is not searchable by uid {NOBODY}")
 
 
-def _release(workdir: str, cgroup: SandboxCgroup | None, mounted: bool) -> None:
+def _release(
+    workdir: str, tmpdir: str, cgroup: SandboxCgroup | None, mounted: bool, tmp_mounted: bool
+) -> None:
     try:
         if cgroup:
             cgroup.kill_all()  # nothing left to write into, or hold open, the work dir
+        # Before the cgroup goes: the tmpfs pages are charged to it until freed here.
         if mounted:
-            # Before the cgroup goes: the tmpfs pages are charged to it until freed here.
             unmount(workdir)
+        if tmp_mounted:
+            unmount(tmpdir)
     finally:
         if cgroup:
             cgroup.remove()
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def namespace_args(bwrap: str, *, network: bool, hostname: str = "sandbox") -> list[str]:
+    """bwrap's isolation common to every sandboxed process tree: new namespaces (the
+    network's only with `network=False`), uid/gid 65534, no capabilities, no new user
+    namespaces, a new session, read-only ``/usr`` and the root links, the allowed
+    ``/etc`` files, a fresh ``/dev`` and ``/proc``. Mounts and the command come after."""
+    args = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(NOBODY),
+        "--gid",
+        str(NOBODY),
+        "--hostname",
+        hostname,
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
+    if network:
+        args.append("--share-net")
+    for name in ROOT_LINKS:
+        host = Path("/") / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), str(host)]
+    args += ["--dir", "/etc"]
+    for name in ETC_FILES + (NETWORK_ETC_FILES if network else ()):
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    return [*args, "--dev", "/dev", "--proc", "/proc"]
+
+
+def tmp_args(tmpdir: str | None, size_bytes: int) -> list[str]:
+    """``/tmp``: the host-mounted capped tmpfs at `tmpdir`, else bwrap's own of `size_bytes`."""
+    if tmpdir is not None:
+        return ["--bind", tmpdir, "/tmp"]
+    return ["--size", str(size_bytes), "--tmpfs", "/tmp"]
 
 
 class BwrapSandbox:
@@ -150,6 +206,7 @@ class BwrapSandbox:
         workdir_root: str | os.PathLike[str] | None = None,
         extra_ro_binds: Sequence[str] = (),
         tmp_size_mb: int = 64,
+        tmp_max_files: int = 16_384,
         use_cgroup: bool = True,
         cgroup_parent: str | None = None,
         bwrap_path: str | None = None,
@@ -164,6 +221,9 @@ class BwrapSandbox:
         if not 1 <= tmp_size_mb <= 65536:
             raise ValueError("tmp_size_mb must be between 1 and 65536")
         self._tmp_bytes = tmp_size_mb * 1024 * 1024
+        if not 16 <= tmp_max_files <= 10_000_000:
+            raise ValueError("tmp_max_files must be between 16 and 10000000")
+        self._tmp_files = tmp_max_files
         for path in extra_ro_binds:
             if not os.path.isabs(path) or not os.path.exists(path):
                 raise ValueError(f"extra_ro_binds: {path!r} is not an existing absolute path")
@@ -176,23 +236,33 @@ class BwrapSandbox:
         if self._as_root:
             _check_traversable(root)
         self.workdir = tempfile.mkdtemp(prefix=f"sbx-{self.id}-", dir=root)
+        self.tmpdir = self.workdir + "-tmp"
         self.cgroup: SandboxCgroup | None = None
-        self._workdir_capped = False
+        self._workdir_capped = self._tmp_capped = False
         try:
             self._workdir_capped = self._mount_workdir()
             if self._owner and not self._workdir_capped:
                 os.chown(self.workdir, *self._owner)
+            if self._workdir_capped:  # mounting works here: /tmp gets its own capped tmpfs
+                os.mkdir(self.tmpdir, 0o700)
+                self._tmp_capped = self._mount_tmp()
             if use_cgroup:
                 self.cgroup = create_cgroup(f"agentflow-sandbox-{self.id}", cgroup_parent)
             if self.cgroup:
                 self.cgroup.set_limits(self._cgroup_memory_bytes(), self.limits.max_processes)
         except BaseException:
-            _release(self.workdir, self.cgroup, self._workdir_capped)
+            _release(self.workdir, self.tmpdir, self.cgroup, self._workdir_capped, self._tmp_capped)
             raise
         self._closed = False
-        # A sandbox dropped without close() still gives back its cgroup, mount and work dir.
+        # A sandbox dropped without close() still gives back its cgroup, mounts and dirs.
         self._finalizer = weakref.finalize(
-            self, _release, self.workdir, self.cgroup, self._workdir_capped
+            self,
+            _release,
+            self.workdir,
+            self.tmpdir,
+            self.cgroup,
+            self._workdir_capped,
+            self._tmp_capped,
         )
 
     def _mount_workdir(self) -> bool:
@@ -209,8 +279,25 @@ class BwrapSandbox:
         except OSError as exc:
             raise SandboxError(f"could not mount the work dir {self.workdir}: {exc}") from exc
 
+    def _mount_tmp(self) -> bool:
+        """Put /tmp on a host-mounted tmpfs capped in bytes and files (sticky, like /tmp)."""
+        uid, gid = self._owner or (os.getuid(), os.getgid())
+        try:
+            return mount_tmpfs(
+                self.tmpdir,
+                size_bytes=self._tmp_bytes,
+                max_inodes=self._tmp_files + 1,
+                uid=uid,
+                gid=gid,
+                mode=0o1777,
+            )
+        except OSError as exc:
+            raise SandboxError(f"could not mount /tmp at {self.tmpdir}: {exc}") from exc
+
     def _cgroup_memory_bytes(self) -> int:
-        memory = self.limits.memory_mb * 1024 * 1024
+        # /tmp's pages are charged to the cgroup too: its own budget on top, so a full
+        # /tmp is ENOSPC there and memory_mb stays whole for the processes.
+        memory = (self.limits.memory_mb * 1024 * 1024) + self._tmp_bytes
         if self._workdir_capped:
             # The work dir's pages are charged here too. Giving them their own budget on
             # top makes a growing work dir stop at ENOSPC (the tmpfs cap) instead of
@@ -227,6 +314,11 @@ class BwrapSandbox:
     def workdir_capped(self) -> bool:
         """True when the kernel caps the work dir's total bytes and file count."""
         return self._workdir_capped
+
+    @property
+    def tmp_capped(self) -> bool:
+        """True when /tmp is capped in file count too (its bytes are capped either way)."""
+        return self._tmp_capped
 
     # -- exec ---------------------------------------------------------------------------
 
@@ -300,38 +392,8 @@ class BwrapSandbox:
         return 0
 
     def _bwrap_argv(self, argv: list[str], env: dict[str, str], cwd: str) -> list[str]:
-        args = [
-            self._bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop",
-            "ALL",
-            "--uid",
-            str(NOBODY),
-            "--gid",
-            str(NOBODY),
-            "--hostname",
-            "sandbox",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-        ]
-        if self.network:
-            args.append("--share-net")
-        for name in ROOT_LINKS:
-            host = Path("/") / name
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), str(host)]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), str(host)]
-        args += ["--dir", "/etc"]
-        for name in ETC_FILES + (NETWORK_ETC_FILES if self.network else ()):
-            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        args += ["--dev", "/dev", "--proc", "/proc"]
-        args += ["--size", str(self._tmp_bytes), "--tmpfs", "/tmp"]
+        args = namespace_args(self._bwrap, network=self.network)
+        args += tmp_args(self.tmpdir if self._tmp_capped else None, self._tmp_bytes)
         args += ["--bind", self.workdir, WORKDIR]
         for path in self._extra_ro_binds:
             args += ["--ro-bind", path, path]
@@ -400,18 +462,21 @@ class BwrapSandbox:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def reset(self) -> None:
-        """Empty the work dir so the sandbox can be handed to someone else."""
+        """Empty the work dir and /tmp so the sandbox can be handed to someone else."""
         self._check_open()
         await asyncio.to_thread(self._empty_workdir)
 
     def _empty_workdir(self) -> None:
         if self.cgroup:
             self.cgroup.kill_all()
-        for entry in os.scandir(self.workdir):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+        # A host-mounted /tmp lasts as long as the sandbox (as a container's does), so the
+        # next user must not find this one's files there either.
+        for folder in (self.workdir, self.tmpdir) if self._tmp_capped else (self.workdir,):
+            for entry in os.scandir(folder):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
 
     async def close(self) -> None:
         if self._closed:

@@ -120,7 +120,7 @@ async def test_reset_frees_the_capped_work_dir(make_sandbox):
     assert (await sb.exec(["python3", "-c", FILL, str(MIB)])).exit_code == 0
 
 
-async def test_memory_cgroup_gets_the_work_dir_on_top_and_processes_keep_memory_mb(
+async def test_memory_cgroup_gets_the_work_dir_and_tmp_on_top_and_processes_keep_memory_mb(
     make_sandbox,
 ):
     sb = capped(make_sandbox(limits=CAPPED))
@@ -134,7 +134,7 @@ async def test_memory_cgroup_gets_the_work_dir_on_top_and_processes_keep_memory_
         limit = (sb.cgroup.dirs[""] / "memory.max").read_text()
     else:
         limit = (sb.cgroup.dirs["memory"] / "memory.limit_in_bytes").read_text()
-    assert int(limit) == CAPPED.memory_mb * MIB + CAP_BYTES
+    assert int(limit) == CAPPED.memory_mb * MIB + CAP_BYTES + 64 * MIB  # /tmp's default
 
 
 async def test_close_unmounts_and_removes_the_work_dir(make_sandbox):
@@ -166,7 +166,8 @@ async def test_without_mount_rights_it_falls_back_to_a_plain_directory(make_sand
     assert await sb.read_file("a.txt") == b"plain\n"
     if sb.cgroup is not None and sb.cgroup.version == 1:
         limit = (sb.cgroup.dirs["memory"] / "memory.limit_in_bytes").read_text()
-        assert int(limit) == CAPPED.memory_mb * MIB  # no tmpfs pages to make room for
+        # No work-dir tmpfs pages to make room for; /tmp's (bwrap's own tmpfs) still.
+        assert int(limit) == CAPPED.memory_mb * MIB + 64 * MIB
     await sb.close()
     assert not os.path.exists(sb.workdir)
 
@@ -195,3 +196,44 @@ def test_a_process_without_mount_rights_gets_false_not_an_error(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == "False\n"
     assert not is_mount_point(str(target))
+
+
+# /tmp: its own capped filesystem, charged beside memory_mb and not against it.
+TMP_MB = 48
+TMP_LIMITS = SandboxLimits(
+    wall_time_s=20, cpu_time_s=10, memory_mb=192, max_workdir_bytes=CAP_BYTES
+)
+# Holds sys.argv[1] MiB of touched memory, then says so.
+HOLD = """
+import sys
+block = bytearray(int(sys.argv[1]) << 20)
+for i in range(0, len(block), 4096):
+    block[i] = 1
+print("held", len(block) >> 20)
+"""
+
+
+async def test_tmp_is_capped_and_not_charged_to_memory_mb(make_sandbox):
+    sb = capped(make_sandbox(limits=TMP_LIMITS, tmp_size_mb=TMP_MB, tmp_max_files=CAP_FILES))
+    assert sb.tmp_capped and is_mount_point(sb.tmpdir)
+    fill = await sb.exec(f"cd /tmp && python3 -c '{FILL}' {2 * TMP_MB * MIB}")
+    assert fill.exit_code == 1, fill
+    code, written = fill.stderr.split()
+    assert code == "ENOSPC" and TMP_MB * MIB - MIB <= int(written) <= TMP_MB * MIB
+    # With /tmp full, the processes still have their whole memory_mb (less the
+    # interpreter's own): /tmp's pages are charged on top of it, not against it.
+    held = await sb.exec(["python3", "-c", HOLD, "150"])
+    assert held.status is ExecStatus.FINISHED and held.stdout == "held 150\n", held
+    files = await sb.exec(f"cd /tmp && rm fill.bin && python3 -c '{MAKE_FILES}' {2 * CAP_FILES}")
+    code, made = files.stderr.split()
+    assert code == "ENOSPC" and int(made) == CAP_FILES
+    await sb.reset()  # the next user of the sandbox finds /tmp empty
+    assert (await sb.exec("ls -A /tmp | wc -l")).stdout.strip() == "0"
+
+
+async def test_tmp_mount_goes_with_the_sandbox(make_sandbox):
+    sb = capped(make_sandbox(limits=TMP_LIMITS))
+    tmpdir = sb.tmpdir
+    assert (await sb.exec("echo x > /tmp/kept && cat /tmp/kept")).stdout == "x\n"
+    await sb.close()
+    assert not is_mount_point(tmpdir) and not os.path.exists(tmpdir)
