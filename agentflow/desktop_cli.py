@@ -56,6 +56,15 @@ def serve(
         Path | None,
         typer.Option(envvar="AGENTFLOW_DESKTOP_RUNTIME_DIR", help="where the desktop lives"),
     ] = None,
+    unsafe_host_user: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-host-user",
+            envvar="AGENTFLOW_DESKTOP_UNSAFE_HOST_USER",
+            help="run the desktop as this user on this host instead of in the sandbox: "
+            "its terminal is then a shell here (only inside a container or VM of its own)",
+        ),
+    ] = False,
 ) -> None:
     """Start one desktop (Xvfb, openbox, x11vnc, noVNC) and its state server; stop both
     on SIGTERM."""
@@ -72,6 +81,7 @@ def serve(
         development=development,
         screen=_screen(screen),
         runtime_dir=runtime_dir,
+        unsafe_host_user=unsafe_host_user,
     )
     typer.echo(f"desktop: noVNC {novnc_url(options)}, state server :{state_port}", err=True)
     try:

@@ -241,14 +241,18 @@ _shared_provider: Any = None
 
 def shared_local_provider() -> DesktopProvider:
     """The local provider of this event loop (made on first use; at most
-    `AGENTFLOW_MAX_DESKTOPS` desktops, 4 by default); closed by `close_shared()`."""
+    `AGENTFLOW_MAX_DESKTOPS` desktops, 4 by default; sandboxed unless
+    `AGENTFLOW_DESKTOP_UNSAFE_HOST_USER=1`); closed by `close_shared()`."""
     global _shared_provider
-    from envs.desktop.local import LocalDesktopProvider
+    from envs.desktop.local import UNSAFE_HOST_USER_ENV, LocalDesktopProvider
 
     loop = asyncio.get_running_loop()
     current = _shared_provider
     if current is None or current[0] is not loop:
-        provider = LocalDesktopProvider(max_desktops=int(os.environ.get(MAX_DESKTOPS_ENV_VAR, 4)))
+        provider = LocalDesktopProvider(
+            max_desktops=int(os.environ.get(MAX_DESKTOPS_ENV_VAR, 4)),
+            unsafe_host_user=os.environ.get(UNSAFE_HOST_USER_ENV, "") == "1",
+        )
         _shared_provider = (loop, provider)
         from envs import registry
 

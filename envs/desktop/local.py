@@ -1,5 +1,13 @@
 """Local desktops: Xvfb + openbox + x11vnc + websockify/noVNC, one set per desktop.
 
+By default each desktop runs inside the project's sandbox (envs/desktop/sandboxed.py):
+its own namespaces, uid 65534, a capped home and /tmp, one cgroup, no network but the
+VNC and noVNC ports relayed to the host's loopback. A policy typing into its terminal
+types into that sandbox. `unsafe_host_user=True` (`AGENTFLOW_DESKTOP_UNSAFE_HOST_USER=1`,
+`agentflow desktop serve --unsafe-host-user`) runs the same processes as the gateway's
+own user on the host instead, as described below: only for a desktop that is already
+inside its own boundary (the compose stack's desktop container) or for trusted players.
+
 Each desktop gets its own X display (Xvfb picks a free number and reports it through
 `-displayfd`), its own home (a fresh folder; HOME points there and apps start in it),
 x11vnc on its own loopback port and websockify serving Debian's noVNC page on another,
@@ -16,16 +24,16 @@ desktop under `runtime_dir` (default `$XDG_RUNTIME_DIR/agentflow-desktops`, else
 `/tmp/agentflow-desktops-<uid>`) so the next provider to start reaps a crashed one's
 leftovers.
 
-What it isolates: the display, the home, the VNC ports, the environment (apps see only
-PATH, HOME, USER, LANG, DISPLAY and the marker, never the gateway's own variables). What
-it does not: apps run as the gateway's user on the host filesystem, so a terminal in the
-desktop is a shell on the host. Use it for tasks and policies you trust (tests, scripted
-players); put untrusted policies on VMs behind the remote provider.
+The host-user mode isolates the display, the home, the VNC ports, the environment (apps
+see only PATH, HOME, USER, LANG, DISPLAY and the marker, never the gateway's own
+variables). It does not isolate the rest: apps run as the gateway's user on the host
+filesystem, so a terminal in the desktop is a shell on the host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import uuid
@@ -45,10 +53,14 @@ from envs.desktop.processes import (
     wait_port,
     write_owner,
 )
-from envs.desktop.provider import CommandResult, Desktop
+from envs.desktop.provider import CommandResult, Desktop, DesktopShell
+from envs.desktop.sandboxed import DesktopLimits, SandboxedDesktop, SandboxShell
+
+logger = logging.getLogger(__name__)
 
 NOVNC_DIR = Path("/usr/share/novnc")
 REQUIRED_COMMANDS = ("Xvfb", "openbox", "x11vnc", "websockify", "xprop")
+UNSAFE_HOST_USER_ENV = "AGENTFLOW_DESKTOP_UNSAFE_HOST_USER"
 MAX_FILE_BYTES = 10 * 2**20
 
 
@@ -67,6 +79,7 @@ class _Running:
     ports: tuple[int, ...] = ()
     holds_slot: bool = True
     services: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
+    sandbox: SandboxedDesktop | None = None
 
 
 class LocalShell:
@@ -126,6 +139,9 @@ class LocalDesktopProvider:
         display: int | None = None,
         vnc_port: int | None = None,
         ws_port: int | None = None,
+        unsafe_host_user: bool = False,
+        limits: DesktopLimits | None = None,
+        sandbox_root: Path | None = None,
     ) -> None:
         if max_desktops < 1:
             raise ValueError("max_desktops must be >= 1")
@@ -141,15 +157,24 @@ class LocalDesktopProvider:
         self._ports: set[int] = set()
         self._reaped = False
         self._closed = False
+        self.unsafe_host_user = unsafe_host_user
+        self.limits = limits or DesktopLimits()
+        self.sandbox_root = sandbox_root
+        if unsafe_host_user:
+            logger.warning(
+                "local desktops run as this process's user on the host (unsafe_host_user): "
+                "a terminal in them is a shell on this machine"
+            )
 
     async def start(self, screen: tuple[int, int] = (1280, 800)) -> Desktop:
         if self._closed:
             raise EnvClosed("the desktop provider is closed")
-        missing = [c for c in REQUIRED_COMMANDS if shutil.which(c) is None]
+        needed = REQUIRED_COMMANDS if self.unsafe_host_user else (*REQUIRED_COMMANDS, "bwrap")
+        missing = [c for c in needed if shutil.which(c) is None]
         if missing or not (self.novnc_dir / "vnc.html").is_file():
             raise EnvError(
                 f"local desktops need {missing or 'novnc'}: apt-get install xvfb openbox "
-                "x11vnc websockify novnc x11-utils"
+                "x11vnc websockify novnc x11-utils bubblewrap"
             )
         if not self._reaped:
             self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -168,14 +193,57 @@ class LocalDesktopProvider:
         running = _Running(Desktop(desktop_id, "", screen), folder)
         self._running[desktop_id] = running
         try:
-            home.mkdir(parents=True, mode=0o700)
             async with asyncio.timeout(self.start_timeout_s):
+                if not self.unsafe_host_user:
+                    return await self._bring_up_sandboxed(running, screen)
+                home.mkdir(parents=True, mode=0o700)
                 return await self._bring_up(running, home, screen)
         except BaseException as exc:
             await self._teardown(desktop_id)
             if isinstance(exc, TimeoutError):
                 raise EnvError(f"desktop did not start within {self.start_timeout_s} s") from None
             raise
+
+    async def _bring_up_sandboxed(self, running: _Running, screen: tuple[int, int]) -> Desktop:
+        desktop_id, folder = running.desktop.id, running.folder
+        folder.mkdir(parents=True, mode=0o700)
+        sandbox = SandboxedDesktop(
+            desktop_id,
+            folder,
+            limits=self.limits,
+            novnc_dir=self.novnc_dir,
+            sandbox_root=self.sandbox_root,
+        )
+        running.sandbox = sandbox
+        # Before anything is mounted: a crash from here on is reaped, mounts included.
+        write_owner(folder, [], sandbox_dir=str(sandbox.sandbox_dir))
+        display = await sandbox.start(screen, self.fixed_display, self.start_timeout_s)
+        vnc_port = self.fixed_vnc_port or free_port(self._ports)
+        ws_port = self.fixed_ws_port or free_port(self._ports)
+        running.ports = (vnc_port, ws_port)
+        for name, port in (("vnc", vnc_port), ("ws", ws_port)):
+            try:
+                await sandbox.serve_port(name, port)
+            except OSError as exc:
+                raise EnvError(f"127.0.0.1:{port} is already in use ({exc.strerror})") from exc
+        assert sandbox.process is not None
+        write_owner(
+            folder, [sandbox.process.pid], display=display, sandbox_dir=str(sandbox.sandbox_dir)
+        )
+        query = f"autoconnect=1&resize=off&host=127.0.0.1&port={ws_port}&path=websockify"
+        shell: DesktopShell = SandboxShell(sandbox)
+        running.desktop = Desktop(
+            id=desktop_id,
+            novnc_url=f"http://127.0.0.1:{ws_port}/vnc.html?{query}",
+            screen=screen,
+            shell=shell,
+            display=display,
+            vnc_port=vnc_port,
+            ws_port=ws_port,
+            home=sandbox.home,
+            info={"isolation": "sandbox"},
+        )
+        return running.desktop
 
     async def _bring_up(self, running: _Running, home: Path, screen: tuple[int, int]) -> Desktop:
         desktop_id, folder = running.desktop.id, running.folder
@@ -233,6 +301,7 @@ class LocalDesktopProvider:
             vnc_port=vnc_port,
             ws_port=ws_port,
             home=home,
+            info={"isolation": "unsafe-host-user"},
         )
         write_owner(folder, [p.pid for p in running.procs], display=display)
         return running.desktop
@@ -276,6 +345,8 @@ class LocalDesktopProvider:
         if running is None:
             return
         try:
+            if running.sandbox is not None:
+                await running.sandbox.close()
             await terminate(running.procs)
             await asyncio.to_thread(kill_marked, desktop_id)
             await asyncio.to_thread(shutil.rmtree, running.folder, True)
@@ -293,6 +364,11 @@ class LocalDesktopProvider:
         """Which of the desktop's own servers (not its apps) have exited: a broken desktop."""
         if (running := self._running.get(desktop.id)) is None:
             return ["the desktop (stopped)"]
+        if (sandbox := running.sandbox) is not None:
+            gone = sorted(sandbox.exited)
+            if sandbox.process is None or sandbox.process.returncode is not None:
+                gone.append("the desktop's sandbox")
+            return gone
         return [name for name, proc in running.services.items() if proc.returncode is not None]
 
     @property

@@ -14,7 +14,8 @@ Three layers, because each covers what the one before misses:
 3. Each desktop writes `owner.json` (owner pid and start time, the pids) in its runtime
    folder; :func:`reap_orphans` — run by a provider when it starts — kills what a
    crashed owner left (its own processes first died with it; this catches the rest)
-   and removes the folder. The start time guards against a reused pid.
+   and removes the folder, and a sandboxed desktop's mounts and folder (`sandbox_dir`).
+   The start time guards against a reused pid.
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sandbox.tmpfs import unmount
+
 MARKER_ENV = "AGENTFLOW_DESKTOP"
+OWNER_ENV = "AGENTFLOW_DESKTOP_FOLDER"  # a sandboxed desktop's folder on the host
 OWNER_FILE = "owner.json"
+# A sandboxed desktop's host-mounted tmpfs parts, under its `sandbox_dir`.
+SANDBOX_MOUNTS = ("home", "tmp")
 _PR_SET_PDEATHSIG = 1
 _libc: Any = None
 
@@ -156,9 +162,19 @@ def reap_orphans(runtime_dir: Path) -> list[str]:
         if start_time(owner) is not None and start_time(owner) == started:
             continue  # its owner is alive
         kill_marked(folder.name)
+        if sandbox_dir := record.get("sandbox_dir"):
+            remove_sandbox_dir(Path(sandbox_dir))
         shutil.rmtree(folder, ignore_errors=True)
         reaped.append(folder.name)
     return reaped
+
+
+def remove_sandbox_dir(sandbox_dir: Path) -> None:
+    """Unmount and remove a sandboxed desktop's host side (its processes are gone)."""
+    for part in SANDBOX_MOUNTS:
+        with contextlib.suppress(OSError):
+            unmount(str(sandbox_dir / part))
+    shutil.rmtree(sandbox_dir, ignore_errors=True)
 
 
 def free_port(taken: set[int]) -> int:

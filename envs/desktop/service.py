@@ -45,6 +45,7 @@ class ServeOptions:
     screen: tuple[int, int] = (1280, 800)
     runtime_dir: Path | None = None
     start_timeout_s: float = 60.0
+    unsafe_host_user: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -80,6 +81,7 @@ async def serve(options: ServeOptions) -> int:
         display=options.display,
         vnc_port=options.vnc_port,
         ws_port=options.novnc_port,
+        unsafe_host_user=options.unsafe_host_user,
     )
     try:
         return await _serve(options, provider, stopping)

@@ -1,7 +1,8 @@
 """Real desktops (Xvfb, openbox, x11vnc, websockify/noVNC) and a real Chromium.
 
 Processes are counted by what their environment says, not by name: every desktop
-process has `HOME=<runtime dir>/<id>/home` and `AGENTFLOW_DESKTOP=<id>`, and a child
+process has `AGENTFLOW_DESKTOP=<id>` and either `AGENTFLOW_DESKTOP_FOLDER=<runtime
+dir>/<id>` (sandboxed, the default) or `HOME=<runtime dir>/<id>/home` (host user), and a child
 Python started by a test carries a tag its descendants inherit, so other users of the
 machine (a parallel browser test's Chromium) never change the counts.
 """
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from envs.desktop.processes import OWNER_ENV
 
 NAMES = ("Xvfb", "openbox", "x11vnc", "websockify", "xterm", "chromium", "chrome")
 
@@ -47,8 +50,8 @@ def processes(matches: Callable[[list[bytes]], bool]) -> dict[int, str]:
 
 def under(runtime_dir: Path) -> dict[int, str]:
     """Processes of the desktops under `runtime_dir`."""
-    prefix = f"HOME={runtime_dir}/".encode()
-    return processes(lambda environ: any(v.startswith(prefix) for v in environ))
+    prefixes = (f"HOME={runtime_dir}/".encode(), f"{OWNER_ENV}={runtime_dir}/".encode())
+    return processes(lambda environ: any(v.startswith(prefixes) for v in environ))
 
 
 def tagged(tag: str) -> dict[int, str]:

@@ -19,11 +19,22 @@ from tests.integration.desktop.conftest import under, wait_until_gone, wait_unti
 pytestmark = pytest.mark.integration
 
 
-async def test_two_desktops_are_isolated(runtime_dir: Path) -> None:
-    provider = LocalDesktopProvider(runtime_dir=runtime_dir, max_desktops=2, capacity_wait_s=0.2)
+@pytest.mark.parametrize("unsafe_host_user", [False, True], ids=["sandbox", "host-user"])
+async def test_two_desktops_are_isolated(runtime_dir: Path, unsafe_host_user: bool) -> None:
+    provider = LocalDesktopProvider(
+        runtime_dir=runtime_dir,
+        max_desktops=2,
+        capacity_wait_s=0.2,
+        unsafe_host_user=unsafe_host_user,
+    )
     try:
         one, two = await asyncio.gather(provider.start((800, 600)), provider.start((640, 480)))
-        assert one.display != two.display
+        # Sandboxed, each has display :0 in its own namespaces; on the host, its own number.
+        assert (
+            (one.display == two.display == ":0")
+            if not unsafe_host_user
+            else (one.display != two.display)
+        )
         assert len({one.vnc_port, one.ws_port, two.vnc_port, two.ws_port}) == 4
         assert one.home != two.home and one.home is not None and two.home is not None
         assert one.shell is not None and two.shell is not None
@@ -33,7 +44,8 @@ async def test_two_desktops_are_isolated(runtime_dir: Path) -> None:
         for desktop, size in ((one, "800 600"), (two, "640 480")):
             assert desktop.shell is not None
             seen = await desktop.shell.run("echo $DISPLAY $HOME; xdotool getdisplaygeometry")
-            assert seen.stdout.split() == [desktop.display, str(desktop.home), *size.split()]
+            home = str(desktop.home) if unsafe_host_user else "/home/desktop"
+            assert seen.stdout.split() == [desktop.display, home, *size.split()]
         leaked = await one.shell.run("env")
         assert "AGENTFLOW_" in leaked.stdout and "PYTEST" not in leaked.stdout
         with pytest.raises(ValueError, match="outside the desktop's home"):
@@ -69,3 +81,39 @@ async def test_a_new_provider_reaps_a_dead_owners_desktop(runtime_dir: Path) -> 
         if orphan.poll() is None:
             orphan.kill()
             orphan.wait()
+
+
+def is_mount_point(path: Path) -> bool:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+async def test_a_dead_owners_sandboxed_desktop_is_unmounted_and_removed(runtime_dir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root mounts the sandboxed desktop's home and /tmp")
+    provider = LocalDesktopProvider(runtime_dir=runtime_dir)
+    desktop = await provider.start((640, 480))
+    assert desktop.home is not None and is_mount_point(desktop.home)
+    sandbox_dir = desktop.home.parent
+    # The owner "crashed": its record stays, the processes and mounts with it.
+    record = json.loads((runtime_dir / desktop.id / OWNER_FILE).read_text())
+    assert record["sandbox_dir"] == str(sandbox_dir)
+    running = provider._running.pop(desktop.id)  # forget it without tearing it down
+    assert running.sandbox is not None and running.sandbox.process is not None
+    running.sandbox.process.kill()
+    await running.sandbox.process.wait()
+    for relay in running.sandbox._relays:  # this process lives on: its listeners go
+        relay.close()
+    record["owner_pid"] = 2**22 + 1
+    (runtime_dir / desktop.id / OWNER_FILE).write_text(json.dumps(record))
+    assert is_mount_point(sandbox_dir / "tmp")
+
+    heir = LocalDesktopProvider(runtime_dir=runtime_dir)
+    other = await heir.start((640, 480))
+    await heir.aclose()
+    await provider.aclose()
+    assert not is_mount_point(desktop.home) and not sandbox_dir.exists()
+    assert not (runtime_dir / desktop.id).exists() and other.home is not None
+    assert not other.home.parent.exists()
+    if running.sandbox.cgroup is not None:  # what the crash left of it; the test's to free
+        running.sandbox.cgroup.remove()
