@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentflow.errors import InvalidInput
+from agentflow.integers import Int64
 
 if TYPE_CHECKING:
     import torch
@@ -65,14 +66,14 @@ class ModelInit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    layers: int = Field(default=4, ge=1, le=128, description="decoder layers")
-    hidden: int = Field(default=128, ge=8, description="hidden size")
-    heads: int = Field(default=4, ge=1, description="attention heads")
-    kv_heads: int | None = Field(default=None, ge=1, description="KV heads (GQA); None: = heads")
-    intermediate: int | None = Field(
+    layers: Int64 = Field(default=4, ge=1, le=128, description="decoder layers")
+    hidden: Int64 = Field(default=128, ge=8, description="hidden size")
+    heads: Int64 = Field(default=4, ge=1, description="attention heads")
+    kv_heads: Int64 | None = Field(default=None, ge=1, description="KV heads (GQA); None: = heads")
+    intermediate: Int64 | None = Field(
         default=None, ge=8, description="MLP width; None: 4 * hidden rounded to 8"
     )
-    max_context: int = Field(default=2048, ge=16, description="max positions (context length)")
+    max_context: Int64 = Field(default=2048, ge=16, description="max positions (context length)")
     tokenizer: Literal["bytes"] = Field(
         default="bytes", description="only the project's byte-level tokenizer is built here"
     )

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from agentflow.errors import InvalidInput
+from agentflow.integers import Int32, Int64
 from agentflow.modeling import ModelInit
 from agentflow.plugins import load_function
 from agentflow.tokenization.tool_calls import ToolCallStyle
@@ -146,8 +147,8 @@ class ModelConfig(_Section):
 class LocalEngineConfig(_Section):
     type: Literal["local"] = "local"
     device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
-    max_batch_size: int = Field(default=64, ge=1, le=4096, description="sequences per step")
-    kv_budget_tokens: int = Field(default=1 << 20, ge=1024, description="session KV budget")
+    max_batch_size: Int64 = Field(default=64, ge=1, le=4096, description="sequences per step")
+    kv_budget_tokens: Int64 = Field(default=1 << 20, ge=1024, description="session KV budget")
 
     @field_validator("device")
     @classmethod
@@ -164,7 +165,7 @@ class SGLangEngineConfig(_Section):
     )
     behind_router: bool = Field(default=True, description="a single URL is an sglang-router")
     timeout_s: float = Field(default=600.0, gt=0, description="per-request timeout")
-    max_context: int = Field(default=32768, ge=32, description="the served context length")
+    max_context: Int64 = Field(default=32768, ge=32, description="the served context length")
 
 
 class VLLMLaunchConfig(_Section):
@@ -176,17 +177,17 @@ class VLLMLaunchConfig(_Section):
         min_length=1,
         description="the python of vLLM's own venv (`agentflow engine install-vllm`)",
     )
-    servers: int = Field(default=1, ge=1, le=64, description="servers, one pool")
+    servers: Int64 = Field(default=1, ge=1, le=64, description="servers, one pool")
     host: str = Field(default="127.0.0.1", min_length=1, description="where they listen")
-    port: int = Field(default=0, ge=0, le=65535, description="first port; 0: free ports")
-    kv_cache_gib: int = Field(default=1, ge=1, le=4096, description="KV cache per server, GiB")
+    port: Int64 = Field(default=0, ge=0, le=65535, description="first port; 0: free ports")
+    kv_cache_gib: Int64 = Field(default=1, ge=1, le=4096, description="KV cache per server, GiB")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         default="float32", description="weights and activations on the server"
     )
-    max_model_len: int | None = Field(
+    max_model_len: Int64 | None = Field(
         default=None, ge=32, description="the served context; None: the checkpoint's"
     )
-    threads: int = Field(default=1, ge=1, le=1024, description="CPU threads per server")
+    threads: Int64 = Field(default=1, ge=1, le=1024, description="CPU threads per server")
     ready_s: float = Field(default=300.0, gt=0, description="how long a start may take")
     extra_args: list[str] = Field(
         default_factory=list, max_length=64, description="more `api_server` arguments"
@@ -257,7 +258,7 @@ class EnvEntry(_Section):
         description="a built-in id (`namespace/Name-vN`) or a registered env `name[@version]`",
     )
     weight: float = Field(default=1.0, gt=0, description="share of episodes in the mix")
-    max_concurrency: int = Field(default=64, ge=1, le=100_000, description="live episodes cap")
+    max_concurrency: Int64 = Field(default=64, ge=1, le=100_000, description="live episodes cap")
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="passed to a built-in env (`namespace/Name-vN`); a registered env takes "
@@ -286,9 +287,9 @@ class EnvEntry(_Section):
 
 class AgentConfig(_Section):
     type: Literal["whitebox", "http", "container", "python"] = Field(default="whitebox")
-    max_turns: int = Field(default=6, ge=1, le=1000, description="turn budget per episode")
-    max_tokens: int = Field(default=512, ge=1, description="token budget per episode")
-    max_new_tokens: int = Field(default=64, ge=1, description="tokens per policy turn")
+    max_turns: Int64 = Field(default=6, ge=1, le=1000, description="turn budget per episode")
+    max_tokens: Int64 = Field(default=512, ge=1, description="token budget per episode")
+    max_new_tokens: Int64 = Field(default=64, ge=1, description="tokens per policy turn")
     system_prompt: str | None = Field(default=None, description="prepended when the env has none")
     url: AnyHttpUrl | None = Field(default=None, description="agent service (type=http)")
     command: list[str] = Field(default_factory=list, description="agent program (container)")
@@ -380,8 +381,8 @@ class AgentConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    group_size: int = Field(default=8, ge=1, le=1024, description="samples per task")
-    max_staleness: int = Field(
+    group_size: Int64 = Field(default=8, ge=1, le=1024, description="samples per task")
+    max_staleness: Int64 = Field(
         default=2, ge=0, le=1000, description="versions a token may lag the trainer's policy"
     )
     wait_for_trainer: bool = Field(
@@ -389,7 +390,7 @@ class RolloutConfig(_Section):
         description="admit at most (max_staleness + 1) * trainer.batch_episodes episodes ahead "
         "of the trainer's version; false: collect without a trainer (no bound)",
     )
-    max_reuse: int = Field(
+    max_reuse: Int64 = Field(
         default=1, ge=1, le=100, description="times a trajectory may be trained on (replay)"
     )
     partial_rollout: bool = Field(
@@ -408,17 +409,17 @@ class RolloutConfig(_Section):
     lease_s: float = Field(
         default=600.0, gt=0, le=86_400, description="how long a trainer's lease lasts"
     )
-    max_concurrency: int = Field(default=256, ge=1, description="live episodes in total")
+    max_concurrency: Int64 = Field(default=256, ge=1, description="live episodes in total")
     elastic: bool = Field(
         default=False,
         description="adapt live episodes to measured engine load and env latency, "
         "between min_concurrency and max_concurrency",
     )
-    min_concurrency: int = Field(default=4, ge=1, description="elastic pool floor")
-    max_episodes: int | None = Field(
+    min_concurrency: Int64 = Field(default=4, ge=1, description="elastic pool floor")
+    max_episodes: Int64 | None = Field(
         default=None, ge=1, description="stop after this many episodes; None: until stopped"
     )
-    max_consecutive_failures: int = Field(
+    max_consecutive_failures: Int64 = Field(
         default=50, ge=1, description="fail the run after this many failed episodes in a row"
     )
     park_after_s: float | None = Field(
@@ -441,7 +442,7 @@ class LoraSettings(_Section):
     """Low-rank adapters (through `peft`) instead of full fine-tuning: only the adapters
     train; engines get the merged weights, checkpoints hold both."""
 
-    rank: int = Field(default=16, ge=1, le=4096, description="adapter rank r")
+    rank: Int64 = Field(default=16, ge=1, le=4096, description="adapter rank r")
     alpha: float = Field(default=32.0, gt=0, description="scale: the update is alpha / r * BA")
     target_modules: list[str] = Field(
         default_factory=lambda: [
@@ -472,7 +473,7 @@ class TrainerConfig(_Section):
         "own advantage, updated deepest turn first (trainer.credit); all with the "
         "decoupled PPO-clip loss",
     )
-    batch_episodes: int = Field(default=64, ge=1, description="episodes per optimizer step")
+    batch_episodes: Int64 = Field(default=64, ge=1, description="episodes per optimizer step")
     lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
     betas: tuple[float, float] = Field(
         default=(0.9, 0.999),
@@ -480,7 +481,8 @@ class TrainerConfig(_Section):
         "takes after a long quiet stretch (docs/distillation.md)",
     )
     adam_eps: float = Field(default=1e-8, gt=0, le=1.0, description="AdamW epsilon")
-    steps: int = Field(default=200, ge=1, description="optimizer steps to run")
+    # Each step publishes the next weight version, a 32-bit column (agentflow.integers).
+    steps: Int32 = Field(default=200, ge=1, description="optimizer steps to run")
     clip_eps: float = Field(default=0.2, gt=0, le=1.0, description="PPO clip range")
     clip_eps_high: float | None = Field(
         default=None, gt=0, le=10.0, description="upper clip range; None: clip_eps"
@@ -499,24 +501,24 @@ class TrainerConfig(_Section):
         description="KL to the reference policy; > 0 is not available yet (no reference model)",
     )
     max_grad_norm: float = Field(default=1.0, gt=0)
-    minibatches: int = Field(default=1, ge=1, le=256, description="optimizer steps per batch")
-    max_tokens_per_microbatch: int = Field(
+    minibatches: Int64 = Field(default=1, ge=1, le=256, description="optimizer steps per batch")
+    max_tokens_per_microbatch: Int64 = Field(
         default=16384, ge=64, description="tokens (padding included) per forward/backward"
     )
     device: str = Field(default="cpu", description="`cpu`, `cuda`, `cuda:N`")
-    ranks: int = Field(
+    ranks: Int64 = Field(
         default=1,
         ge=1,
         le=1024,
         description="trainer processes (split form): > 1 shards the model with FSDP2 over "
         "torchrun, one rank per GPU (gloo ranks on CPU); rank 0 leases for all",
     )
-    checkpoint_every: int = Field(
+    checkpoint_every: Int64 = Field(
         default=10, ge=1, description="steps between checkpoints (batches are acknowledged then)"
     )
-    keep_checkpoints: int = Field(default=2, ge=1, description="newest checkpoints kept")
+    keep_checkpoints: Int64 = Field(default=2, ge=1, description="newest checkpoints kept")
     run_dir: str = Field(default="runs", description="run directories go under this path")
-    threads: int | None = Field(
+    threads: Int64 | None = Field(
         default=None, ge=1, description="torch CPU threads; None: torch's default"
     )
     precision: Literal["fp32", "bf16"] = Field(
@@ -551,15 +553,15 @@ class MegatronConfig(_Section):
     """`trainer.backend = "megatron"`: how the model is split over the trainer's ranks
     (`trainer.ranks` = tensor × pipeline × data parallel)."""
 
-    tensor_parallel: int = Field(default=1, ge=1, le=64, description="ranks a layer spans")
-    pipeline_parallel: int = Field(default=1, ge=1, le=64, description="stages of layers")
+    tensor_parallel: Int64 = Field(default=1, ge=1, le=64, description="ranks a layer spans")
+    pipeline_parallel: Int64 = Field(default=1, ge=1, le=64, description="stages of layers")
     sequence_parallel: bool = Field(
         default=False, description="split activations along the sequence (tensor_parallel > 1)"
     )
     distributed_optimizer: bool = Field(
         default=True, description="shard Adam's state over the data-parallel ranks"
     )
-    vocab_divisible_by: int = Field(
+    vocab_divisible_by: Int64 = Field(
         default=128, ge=1, le=65536, description="pad the vocabulary to a multiple of this × tp"
     )
 
@@ -568,7 +570,7 @@ class WarmStartConfig(_Section):
     """Supervised warm start on the env's scripted oracle, before RL (`agentflow sft`)."""
 
     enabled: bool = Field(default=False, description="run it when the run has no checkpoint")
-    n_episodes: int = Field(default=20_000, ge=1, le=10_000_000, description="oracle episodes")
+    n_episodes: Int64 = Field(default=20_000, ge=1, le=10_000_000, description="oracle episodes")
     p_oracle: float = Field(
         default=0.35, ge=0.0, le=1.0, description="chance of the oracle's move (else random)"
     )
@@ -577,14 +579,14 @@ class WarmStartConfig(_Section):
         description="train only on oracle episodes with at least this reward; None: all",
     )
     epochs: float = Field(default=2.0, gt=0, le=100, description="passes over the data")
-    batch_size: int = Field(default=128, ge=1, le=65536, description="sequences per step")
+    batch_size: Int64 = Field(default=128, ge=1, le=65536, description="sequences per step")
     lr: float = Field(default=1e-3, gt=0, le=1.0, description="peak AdamW learning rate")
     warmup: float = Field(default=0.05, ge=0.0, lt=1.0, description="warm-up fraction")
     max_seconds: float | None = Field(default=None, gt=0, description="time cap; None: none")
-    eval_episodes: int = Field(
+    eval_episodes: Int64 = Field(
         default=400, ge=0, le=1_000_000, description="sampled episodes to evaluate it on"
     )
-    concurrency: int = Field(
+    concurrency: Int64 = Field(
         default=1, ge=1, le=4096, description="episodes played at once (browser envs wait)"
     )
 
@@ -601,7 +603,7 @@ class BroadcastConfig(_Section):
         min_length=1,
         description="the trainer's address as the engines reach it (it serves the group's store)",
     )
-    master_port: int = Field(default=0, ge=0, le=65535, description="0: a free port")
+    master_port: Int64 = Field(default=0, ge=0, le=65535, description="0: a free port")
     bucket_mb: float = Field(
         default=512.0, gt=0, le=65536, description="tensors per broadcast call, in MiB"
     )
@@ -697,7 +699,7 @@ class DistillConfig(_Section):
         description="`pkg.mod:fn`, fn(TurnContext) -> tag or None: the per-turn routing "
         f"rule; route = 'turn' without one: {DEFAULT_TURN_RULE}",
     )
-    max_resident: int = Field(
+    max_resident: Int64 = Field(
         default=1, ge=1, le=64, description="local teachers held in memory at once (LRU)"
     )
     offload: Literal["drop", "cpu"] = Field(
@@ -705,7 +707,7 @@ class DistillConfig(_Section):
         description="an evicted teacher: dropped (reloaded from its path) or moved to CPU "
         "memory (a CUDA trainer only)",
     )
-    max_tokens_per_batch: int = Field(
+    max_tokens_per_batch: Int64 = Field(
         default=16384, ge=64, description="tokens (padding included) per teacher forward"
     )
 
@@ -724,10 +726,10 @@ class DistillConfig(_Section):
 class RtpoConfig(_Section):
     """RTPO's re-rolls (`trainer.algorithm = "rtpo"`, `trainer.credit`)."""
 
-    branches: int = Field(
+    branches: Int64 = Field(
         default=1, ge=1, le=16, description="continuations re-rolled from each chosen turn"
     )
-    branch_turns: int | None = Field(
+    branch_turns: Int64 | None = Field(
         default=None,
         ge=1,
         le=1000,
@@ -766,12 +768,12 @@ class PlacementConfig(_Section):
         description="'' (no Ray), 'local' (start a Ray cluster on this machine, on "
         "loopback), 'auto' (the cluster this machine belongs to) or a cluster address",
     )
-    engines: int = Field(default=2, ge=1, le=4096, description="engine actors")
+    engines: Int64 = Field(default=2, ge=1, le=4096, description="engine actors")
     engine_cpus: float = Field(default=1.0, gt=0, description="CPUs each engine actor holds")
     engine_gpus: float = Field(default=0.0, ge=0, description="GPUs each engine actor holds")
     trainer_cpus: float = Field(default=1.0, gt=0, description="CPUs each trainer rank holds")
     trainer_gpus: float = Field(default=0.0, ge=0, description="GPUs each trainer rank holds")
-    env_servers: int = Field(
+    env_servers: Int64 = Field(
         default=0,
         ge=0,
         le=4096,
@@ -782,16 +784,16 @@ class PlacementConfig(_Section):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         default="PACK", description="the placement groups' strategy (Ray's names)"
     )
-    max_engine_replacements: int = Field(
+    max_engine_replacements: Int64 = Field(
         default=8, ge=0, description="engine actors replaced after dying, over the run"
     )
-    max_trainer_restarts: int = Field(
+    max_trainer_restarts: Int64 = Field(
         default=3,
         ge=0,
         description="times the trainer's ranks start again (from the newest checkpoint) "
         "after one of their actors died",
     )
-    object_store_mb: int = Field(
+    object_store_mb: Int64 = Field(
         default=1024, ge=100, description="object store of a 'local' cluster (MiB)"
     )
     sglang_command: list[str] = Field(
@@ -833,7 +835,7 @@ class RunConfig(_Section):
     """A whole run. `POST /v1/runs` takes this document as JSON."""
 
     name: Name = Field(description="run name: letters, digits, `.`, `_`, `-`")
-    seed: int = Field(default=0, ge=0)
+    seed: Int64 = Field(default=0, ge=0)
     model: ModelConfig = Field(default_factory=ModelConfig)
     # Before the engine: whether the engine's servers are listed or started depends on it.
     placement: PlacementConfig = Field(default_factory=PlacementConfig)

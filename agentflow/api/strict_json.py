@@ -1,5 +1,5 @@
-"""One rule for text and numbers that come in over HTTP (docs/decisions.md, "Text the
-database can hold").
+"""One rule for text and numbers that come in over HTTP (docs/decisions.md, "Text and
+numbers the database can hold"); the ranges of integer fields are `agentflow.integers`.
 
 JSON as Python parses it admits more than either database stores or any error body can
 echo: `NaN` and `Infinity` literals, number literals too big for a float or longer than

@@ -3,6 +3,8 @@
 Ids are UUIDs made by the client, so a whole batch of turns (parents included) can be
 inserted in one statement without a round trip per row. Token arrays are packed
 little-endian bytes (`agentflow.db.packing`) so SQLite and PostgreSQL hold the same bytes.
+`Integer` is 32 bits on PostgreSQL (SQLite holds 64): an API field that reaches such a
+column is an `agentflow.integers.Int32`, so both refuse a wider value alike.
 """
 
 from __future__ import annotations

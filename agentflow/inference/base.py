@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentflow.errors import EngineRequestError
+from agentflow.integers import Int32, Int64
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -139,11 +140,12 @@ class WeightGroup(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     master_address: str = Field(min_length=1, description="where rank 0 serves the store")
-    master_port: int = Field(ge=1, le=65535)
+    master_port: Int32 = Field(ge=1, le=65535)
     group_name: str = Field(min_length=1, max_length=200)
     backend: Literal["nccl", "gloo"] = Field(default="nccl", description="gloo: CPU tensors")
-    world_size: int = Field(ge=2, description="the trainer and every engine rank")
-    rank_offset: int = Field(default=1, ge=1, description="this engine's first rank")
+    # torch.distributed takes ranks and sizes as C ints.
+    world_size: Int32 = Field(ge=2, description="the trainer and every engine rank")
+    rank_offset: Int32 = Field(default=1, ge=1, description="this engine's first rank")
     timeout_s: float = Field(default=600.0, gt=0, description="joining and each broadcast")
 
     @model_validator(mode="after")
@@ -161,7 +163,7 @@ class TensorBucket(BaseModel):
 
     names: list[str] = Field(min_length=1)
     dtypes: list[str] = Field(description="torch dtype names: `bfloat16`, `float32`")
-    shapes: list[list[int]]
+    shapes: list[list[Int64]]
 
     @model_validator(mode="after")
     def _one_entry_per_tensor(self) -> TensorBucket:
@@ -188,7 +190,9 @@ class WeightUpdate(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
-    version: int | None = Field(default=None, description="None: current version + 1")
+    # Recorded in 32-bit columns and token arrays (agentflow.integers): a trainer in the
+    # gateway's process is held to the range the API holds one to.
+    version: Int32 | None = Field(default=None, description="None: current version + 1")
     state_dict: Mapping[str, Any] | None = None
     path: str | None = Field(default=None, description="HF-format safetensors directory")
     broadcast: BroadcastWeights | None = None

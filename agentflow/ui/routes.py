@@ -33,6 +33,7 @@ from agentflow.api.deps import (
 from agentflow.api.routes.blobs import blob_response
 from agentflow.api.routing import GatewayRoute
 from agentflow.errors import NotFound
+from agentflow.integers import Int32, Int64
 from agentflow.types import EpisodeStatus
 from agentflow.ui import queries
 from agentflow.ui.tokens import TokenTexts
@@ -145,8 +146,8 @@ async def asset(name: str) -> Response:
     )
 
 
-Limit = Annotated[int, Query(ge=1, le=500)]
-Offset = Annotated[int, Query(ge=0)]
+Limit = Annotated[Int64, Query(ge=1, le=500)]
+Offset = Annotated[Int64, Query(ge=0)]
 
 
 @data.get("/runs")
@@ -167,7 +168,7 @@ async def run_episodes(
     env: Annotated[str | None, Query(max_length=200)] = None,
     reward_min: Annotated[float | None, Query(allow_inf_nan=False)] = None,
     reward_max: Annotated[float | None, Query(allow_inf_nan=False)] = None,
-    weight_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    weight_version: Annotated[Int32 | None, Query(ge=0)] = None,
     limit: Limit = 50,
     offset: Offset = 0,
 ) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from pydantic import (
 
 from agentflow.errors import InvalidInput
 from agentflow.images import parse_data_url
+from agentflow.integers import Int64
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_STOP = 16
@@ -166,15 +167,15 @@ class ChatCompletionRequest(BaseModel):
     response_format: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int64 | None = Field(default=None, ge=1)
+    max_completion_tokens: Int64 | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = 1
+    n: Int64 | None = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int64 | None = Field(default=None, ge=0, le=20)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

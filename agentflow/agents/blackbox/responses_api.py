@@ -34,6 +34,7 @@ from agentflow.agents.blackbox.openai_schema import (
 from agentflow.agents.blackbox.proxy import ChatAnswer
 from agentflow.agents.blackbox.responses import extension_of, token_entries
 from agentflow.errors import InvalidInput
+from agentflow.integers import Int64
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -68,10 +69,10 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = Field(default=None, max_length=256)
     tool_choice: Any = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: Int64 | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int64 | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = None
     stream: bool = False
     text: dict[str, Any] | None = None

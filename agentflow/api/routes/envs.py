@@ -20,6 +20,7 @@ from agentflow.api.schemas.runs import ACTIVE_RUN_STATUSES
 from agentflow.db.models import Environment, Run, RunEnvironment
 from agentflow.db.session import read_connection
 from agentflow.errors import Conflict, NotFound
+from agentflow.integers import Int64
 from envs.registry import parse_spec
 
 router = APIRouter(prefix="/v1/envs", tags=["envs"], route_class=GatewayRoute, dependencies=API_KEY)
@@ -82,8 +83,8 @@ async def list_envs(
     session: SessionDep,
     name: str | None = None,
     kind: EnvKind | None = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[Int64, Query(ge=1, le=500)] = 50,
+    offset: Annotated[Int64, Query(ge=0)] = 0,
 ) -> dict[str, object]:
     count, page = _list_queries(name is not None, kind is not None)
     params = {"name": name, "kind": kind, "limit": limit, "offset": offset}

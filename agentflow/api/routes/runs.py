@@ -15,6 +15,7 @@ from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
 from agentflow.db.models import Episode, Run
 from agentflow.errors import InvalidInput, NotFound
+from agentflow.integers import Int32, Int64
 from agentflow.run_config import RunConfig
 from agentflow.types import EpisodeStatus
 
@@ -54,8 +55,8 @@ async def list_runs(
     session: SessionDep,
     name: str | None = None,
     status: RunStatus | None = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[Int64, Query(ge=1, le=500)] = 50,
+    offset: Annotated[Int64, Query(ge=0)] = 0,
 ) -> dict[str, object]:
     query = select(Run)
     if name is not None:
@@ -79,8 +80,8 @@ async def list_run_episodes(
     run_id: uuid.UUID,
     session: SessionDep,
     status: EpisodeStatus | None = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[Int64, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[Int64, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
     await _get(session, run_id)
     query = select(Episode).where(Episode.run_id == run_id)
@@ -122,7 +123,7 @@ async def _fresh(session: SessionDep, run_id: uuid.UUID) -> Run:
 class MetricsRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0, description="the weight version the step produced")
+    version: Int32 = Field(ge=0, description="the weight version the step produced")
     metrics: dict[str, float] = Field(max_length=1000, description="the step's numbers")
 
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentflow.api.deps import API_KEY, RunManagerDep
 from agentflow.api.routing import GatewayRoute
+from agentflow.integers import Int64
 from agentflow.types import Trajectory
 
 router = APIRouter(
@@ -32,7 +33,7 @@ router = APIRouter(
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_n: int = Field(ge=1, le=4096, description="at most this many trajectories")
+    max_n: Int64 = Field(ge=1, le=4096, description="at most this many trajectories")
     timeout_s: float = Field(default=0.0, ge=0, le=60, description="wait this long for one")
     lease_id: str | None = Field(
         default=None,

@@ -28,6 +28,7 @@ from agentflow.api.routing import GatewayRoute
 from agentflow.db.models import Run
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.inference.base import BroadcastWeights, WeightGroup, WeightUpdate
+from agentflow.integers import Int32
 
 router = APIRouter(
     prefix="/v1/runs", tags=["weights"], route_class=GatewayRoute, dependencies=API_KEY
@@ -37,7 +38,7 @@ router = APIRouter(
 class WeightsPublish(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=1, description="the new weight version; newer than the run's")
+    version: Int32 = Field(ge=1, description="the new weight version; newer than the run's")
     path: str | None = Field(
         default=None, min_length=1, description="HF-format safetensors directory to load"
     )

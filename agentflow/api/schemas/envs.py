@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from agentflow.integers import Int32
 from envs import registry
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
@@ -60,7 +61,7 @@ class EnvCreate(BaseModel):
         description="validated by the kind's model (envs/specs.py and the families')"
     )
     tools: list[Tool] = Field(default_factory=list, max_length=256)
-    max_concurrency: int = Field(default=64, ge=1, le=100_000)
+    max_concurrency: Int32 = Field(default=64, ge=1, le=100_000)
     step_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
     description: str = Field(default="", max_length=10_000)
 
@@ -72,7 +73,7 @@ class EnvUpdate(BaseModel):
 
     spec: dict[str, Any] | None = None
     tools: list[Tool] | None = Field(default=None, max_length=256)
-    max_concurrency: int | None = Field(default=None, ge=1, le=100_000)
+    max_concurrency: Int32 | None = Field(default=None, ge=1, le=100_000)
     step_timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     description: str | None = Field(default=None, max_length=10_000)
 
