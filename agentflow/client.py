@@ -204,9 +204,11 @@ class _Endpoints:
 
     @staticmethod
     def record_metrics(
-        run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+        run_id: uuid.UUID | str, version: int, metrics: dict[str, float], step: int | None
     ) -> _Call[None]:
-        body = {"version": version, "metrics": metrics}
+        body: dict[str, Any] = {"version": version, "metrics": metrics}
+        if step is not None:
+            body["step"] = step
         return _Call("POST", f"/v1/runs/{run_id}/metrics", _none, json=body)
 
     @staticmethod
@@ -341,10 +343,16 @@ class Client:
         return self._send(_Endpoints.run_metrics(run_id))
 
     def record_metrics(
-        self, run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+        self,
+        run_id: uuid.UUID | str,
+        version: int,
+        metrics: dict[str, float],
+        step: int | None = None,
     ) -> None:
-        """A trainer step's metrics, attached to the version it produced (split form)."""
-        return self._send(_Endpoints.record_metrics(run_id, version, metrics))
+        """A trainer step's metrics, attached to the version it produced (split form).
+        With `step`, they replace any recorded for that step, or a later one, at an older
+        version (steps a trainer did again after resuming from a checkpoint)."""
+        return self._send(_Endpoints.record_metrics(run_id, version, metrics, step))
 
     def lease(
         self,
@@ -496,10 +504,16 @@ class AsyncClient:
         return await self._send(_Endpoints.run_metrics(run_id))
 
     async def record_metrics(
-        self, run_id: uuid.UUID | str, version: int, metrics: dict[str, float]
+        self,
+        run_id: uuid.UUID | str,
+        version: int,
+        metrics: dict[str, float],
+        step: int | None = None,
     ) -> None:
-        """A trainer step's metrics, attached to the version it produced (split form)."""
-        return await self._send(_Endpoints.record_metrics(run_id, version, metrics))
+        """A trainer step's metrics, attached to the version it produced (split form).
+        With `step`, they replace any recorded for that step, or a later one, at an older
+        version (steps a trainer did again after resuming from a checkpoint)."""
+        return await self._send(_Endpoints.record_metrics(run_id, version, metrics, step))
 
     async def lease(
         self,

@@ -197,6 +197,8 @@ async def _train_run(
         stream = await manager.stream(run_id)
         checkpoints = directory / "checkpoints"
         state, restored = await resume(policy, stream, checkpoints)
+        # The steps after the checkpoint are done again, each writing its row anew.
+        report.keep_through(state.step)
         target = _RunTarget(manager, run_id)
         publisher = _publisher(config, directory, target, policy)
         if restored is not None:
@@ -213,8 +215,9 @@ async def _train_run(
                 dropped_stale=float(stream.counters.dropped_stale),
                 weight_version=float(state.version),
             )
-            report.record(step, row)
-            await manager.record_metrics(run_id, state.version, row)
+            ids = [str(t.id) for t in batch]
+            report.record(step, row, version=state.version, trajectory_ids=ids)
+            await manager.record_metrics(run_id, state.version, row, step)
 
         def alive() -> str | None:
             if executor.state in ("running", "paused"):

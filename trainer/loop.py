@@ -1,5 +1,6 @@
 """The train loop (docs/architecture.md, "Trainer"): lease a batch → advantages → loss and
-step → publish weights → acknowledge. Everything else is a function it calls.
+step → publish weights → record the step's metrics → checkpoint → acknowledge.
+Everything else is a function it calls.
 
 Acknowledgements ride on checkpoints: a batch is acknowledged only after a checkpoint
 that includes its step is on disk, and the checkpoint lists the batches it covers. So a
@@ -7,6 +8,12 @@ trainer killed at any point loses nothing and trains nothing twice: batches afte
 last checkpoint were never acknowledged and come back to the restarted trainer (which
 reclaims its predecessor's leases), and the batches of the last checkpoint are
 acknowledged again on restart, which counts once.
+
+A step's metrics are recorded (`on_step`) before the checkpoint that covers it, so every
+checkpointed step has its row. The rows of steps after the last checkpoint belong to
+steps the restarted trainer does again: it drops them when it resumes
+(`RunReport.keep_through`), and the gateway replaces a step's row when it is recorded
+again, so no step has two.
 """
 
 from __future__ import annotations
@@ -87,6 +94,10 @@ async def train(
 ) -> LoopState:
     """Run steps until `settings.steps`; `alive()` names why the rollout side ended.
 
+    `on_step(step, metrics, batch)` records each step once its weights are published and
+    before the checkpoint that covers it; a trainer that resumes does the steps after its
+    checkpoint again, so recording a step twice must leave one record (the last).
+
     With `teachers`, each batch is scored by them before its step. A teacher that fails
     (`TeacherError`, naming it) fails that step, not the run: `on_error(step, message)`
     hears of it, and the same batch is tried again after a wait that doubles up to
@@ -150,12 +161,14 @@ async def train(
         state.version += 1
         sync = await publisher.publish(policy.state_dict(), state.version)
         state.unacked.append([str(t.id) for t in valid])
-        if state.step % settings.checkpoint_every == 0 or state.step == settings.steps:
-            await checkpoint_and_ack(policy, stream, settings, state)
         metrics.update(
             wait_seconds=waited, sync_seconds=sync.seconds, rejected=len(batch) - len(valid)
         )
+        # Before the checkpoint: a trainer killed between the two would otherwise resume
+        # after this step with its row never written (its batch acknowledged all the same).
         await on_step(state.step, metrics, valid)
+        if state.step % settings.checkpoint_every == 0 or state.step == settings.steps:
+            await checkpoint_and_ack(policy, stream, settings, state)
     return state
 
 

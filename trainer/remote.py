@@ -432,6 +432,10 @@ async def _train(
         weights_api = AsyncClient(
             gateway, api_key=api_key, timeout_s=1800.0, transport=RetryingTransport(retry)
         )
+        # The steps after the checkpoint are done again, each writing its row anew; the
+        # checkpointed ones whose row the gateway lacks (a post that failed) are sent again.
+        report.keep_through(state.step)
+        await resend_missing_metrics(weights_api, run_id, report)
         target = GatewayWeightTarget(gateway, run_id, api_key, client=weights_api)
         published = RepeatablePublish(target, client, str(run_id))
         publisher: Publisher
@@ -452,12 +456,10 @@ async def _train(
 
         async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
             row = {**summarize_batch(batch, state.version - 1), **metrics}
-            report.record(step, row)
-            finite = {k: float(v) for k, v in row.items() if math.isfinite(float(v))}
-            try:  # the gateway stores and exports them; the run does not depend on it
-                await weights_api.record_metrics(run_id, state.version, finite)
-            except AgentFlowError as exc:
-                log.warning("step %d: the gateway did not take its metrics: %s", step, exc)
+            ids = [str(t.id) for t in batch]
+            # On disk first: the checkpoint that follows counts on it (trainer.loop).
+            report.record(step, row, version=state.version, trajectory_ids=ids)
+            await _post_metrics(weights_api, run_id, step, state.version, row)
 
         async def on_error(step: int, message: str) -> None:
             report.error(step, message)
@@ -494,3 +496,44 @@ async def _train(
             if teachers is not None:
                 await teachers.close()
     return report.finish({"run": config.name, "run_id": str(run_id), "gateway": gateway})
+
+
+# What a row of metrics.jsonl holds besides the step's metrics.
+_ROW_FIELDS = ("step", "version", "time", "trajectory_ids")
+
+
+async def _post_metrics(
+    api: AsyncClient, run_id: uuid.UUID, step: int, version: int, row: dict[str, Any]
+) -> bool:
+    """Send step `step`'s metrics to the gateway, which stores and exports them; the run
+    does not depend on it, so a failure is a warning (and the next start sends it again:
+    `resend_missing_metrics`)."""
+    finite = {
+        k: float(v)
+        for k, v in row.items()
+        if k not in _ROW_FIELDS and isinstance(v, int | float) and math.isfinite(float(v))
+    }
+    try:
+        await api.record_metrics(run_id, version, finite, step=step)
+    except AgentFlowError as exc:
+        log.warning("step %d: the gateway did not take its metrics: %s", step, exc)
+        return False
+    return True
+
+
+async def resend_missing_metrics(api: AsyncClient, run_id: uuid.UUID, report: RunReport) -> int:
+    """Send again the rows of `report` whose step the gateway holds no metrics for (their
+    post failed, or the gateway lost them); returns how many were sent."""
+    rows = [r for r in report.rows() if "version" in r]  # older rows name no version
+    if not rows:
+        return 0
+    recorded = await api.run_metrics(run_id)
+    have = {v["step"] for v in recorded["versions"] if v.get("step") is not None}
+    sent = 0
+    for row in rows:
+        step = int(row["step"])
+        if step not in have:
+            sent += await _post_metrics(api, run_id, step, int(row["version"]), row)
+    if sent:
+        log.warning("sent the metrics of %d checkpointed step(s) the gateway lacked", sent)
+    return sent

@@ -3,7 +3,9 @@ the end `summary.json` and a PNG plot of reward and episode length against step.
 
     runs/<name>/
       config.json          the validated run config
-      metrics.jsonl        one JSON object per trainer step
+      metrics.jsonl        one JSON object per trainer step: its step, the weight version
+                           it published, its metrics and the ids of the trajectories it
+                           trained (`trajectory_ids`)
       errors.jsonl         steps that failed and were tried again (a teacher down)
       summary.json         first/last 10% mean reward, steps, time, where things are
       reward.png           reward and turns per episode against step
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -51,10 +54,29 @@ class RunReport:
     def write_config(self, config: dict[str, Any]) -> None:
         (self.directory / "config.json").write_text(json.dumps(config, indent=2))
 
-    def record(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, "time": round(time.perf_counter() - self.started, 3), **metrics}
+    def record(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        version: int | None = None,
+        trajectory_ids: Sequence[str] | None = None,
+    ) -> None:
+        """Append step `step`'s row (on disk when this returns); the trackers get `metrics`.
+
+        `version`: the weight version the step published; `trajectory_ids`: what it trained.
+        """
+        row: dict[str, Any] = {"step": step}
+        if version is not None:
+            row["version"] = version
+        row |= {"time": round(time.perf_counter() - self.started, 3), **metrics}
+        if trajectory_ids is not None:
+            row["trajectory_ids"] = list(trajectory_ids)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+            # The checkpoint written next counts on this row being on disk (trainer.loop).
+            fh.flush()
+            os.fsync(fh.fileno())
         if self.first_step is None:
             self.first_step = step
         for tracker in self.loggers:
@@ -89,15 +111,46 @@ class RunReport:
         print(line, file=self.out, flush=True)
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per step; a step re-run after a resume keeps its latest row."""
+        """One row per step, in step order (the latest row of a step written twice)."""
         if not self.metrics_path.exists():
             return []
         by_step: dict[int, dict[str, Any]] = {}
-        for line in self.metrics_path.read_text().splitlines():
-            if line:
+        text = self.metrics_path.read_text()
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            if not line:
+                continue
+            try:
                 row = json.loads(line)
-                by_step[int(row["step"])] = row
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:  # a write cut short at the end: never finished
+                    continue
+                raise
+            by_step[int(row["step"])] = row
         return [by_step[s] for s in sorted(by_step)]
+
+    def keep_through(self, step: int) -> int:
+        """Drop the rows of steps after `step`, the checkpoint a trainer resumes from, and
+        any second row of a step; returns how many rows were dropped.
+
+        Those steps are done again after the resume (their batches were never
+        acknowledged), each writing its row anew: without this, the file would hold
+        two rows for each. The file is replaced whole (a temporary file renamed into
+        place), so a trainer killed meanwhile finds either version, and drops again.
+        """
+        if not self.metrics_path.exists():
+            return 0
+        lines = sum(1 for line in self.metrics_path.read_text().splitlines() if line)
+        kept = [row for row in self.rows() if int(row["step"]) <= step]
+        if len(kept) == lines:
+            return 0
+        temporary = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        with temporary.open("w") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temporary, self.metrics_path)
+        return lines - len(kept)
 
     def close(self) -> None:
         """Close the trackers (idempotent); the files stay."""

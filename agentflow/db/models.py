@@ -230,4 +230,6 @@ class WeightVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     uri: Mapped[str] = mapped_column(StorableText, default="")
     metrics: Mapped[dict[str, Any]] = mapped_column(StorableJSON, default=dict)
+    # The trainer step whose metrics these are (null: none recorded, or recorded without).
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

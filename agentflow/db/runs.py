@@ -118,15 +118,31 @@ class RunStore:
             )
 
     async def record_metrics(
-        self, run_id: uuid.UUID, version: int, metrics: dict[str, Any]
+        self, run_id: uuid.UUID, version: int, metrics: dict[str, Any], step: int | None = None
     ) -> None:
-        """Attach a trainer step's metrics to the weight version it produced."""
+        """Attach a trainer step's metrics to the weight version it produced.
+
+        With `step`, the metrics of that step or any later one held by an older version
+        are cleared in the same transaction: they come from a trainer that was killed
+        before it checkpointed those steps, and its successor does them again from its
+        checkpoint, at newer versions. So each step has one row, however often it is
+        recorded, and a repeat of the same call changes nothing. Only older versions:
+        a late copy of an earlier call (a retried request the gateway also ran) must not
+        clear the steps recorded after it."""
         async with self.sessions.begin() as session:
+            if step is not None:
+                await session.execute(
+                    update(WeightVersion)
+                    .where(WeightVersion.run_id == run_id)
+                    .where(WeightVersion.version < version)
+                    .where(WeightVersion.step >= step)
+                    .values(metrics={}, step=None)
+                )
             await session.execute(
                 update(WeightVersion)
                 .where(WeightVersion.run_id == run_id)
                 .where(WeightVersion.version == version)
-                .values(metrics=metrics)
+                .values(metrics=metrics, step=step)
             )
 
     async def versions(self, run_id: uuid.UUID) -> list[WeightVersion]:

@@ -181,11 +181,12 @@ class RunManager:
         return stream
 
     async def record_metrics(
-        self, run_id: uuid.UUID, version: int, metrics: dict[str, float]
+        self, run_id: uuid.UUID, version: int, metrics: dict[str, float], step: int | None = None
     ) -> None:
-        """Attach a trainer step's metrics to the weight version it produced; the latest
-        are also `/metrics` gauges."""
-        await self.runs.record_metrics(run_id, version, metrics)
+        """Attach a trainer step's metrics to the weight version it produced (replacing
+        what an older version holds for that step: `Runs.record_metrics`); the latest are
+        also `/metrics` gauges."""
+        await self.runs.record_metrics(run_id, version, metrics, step)
         if self.metrics is not None:
             self.metrics.record_step(str(run_id), version, metrics)
 

@@ -78,9 +78,11 @@ def test_a_killed_run_resumes_and_trains_each_trajectory_once(tmp_path: Path) ->
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["last_step"] == 8
 
-    by_step = {int(r["step"]): r for r in _rows(metrics)}  # a re-run step keeps its last row
-    assert sorted(by_step) == list(range(1, 9)) and killed_at >= 4
-    trained = sum(int(r["trajectories"]) for r in by_step.values())
+    rows = _rows(metrics)  # a re-run step's first row was dropped at the resume
+    assert [int(r["step"]) for r in rows] == list(range(1, 9)) and killed_at >= 4
+    trained = sum(int(r["trajectories"]) for r in rows)
+    ids = [i for r in rows for i in r["trajectory_ids"]]
+    assert len(ids) == len(set(ids)) == trained  # each trained trajectory in one row
     with sqlite3.connect(run_dir / "agentflow.db") as db:
         statuses = dict(db.execute("SELECT status, COUNT(*) FROM trajectories GROUP BY status"))
         served = dict(db.execute("SELECT times_served, COUNT(*) FROM trajectories GROUP BY 1"))

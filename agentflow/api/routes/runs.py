@@ -125,6 +125,12 @@ class MetricsRecord(BaseModel):
 
     version: Int32 = Field(ge=0, description="the weight version the step produced")
     metrics: dict[str, float] = Field(max_length=1000, description="the step's numbers")
+    step: int | None = Field(
+        default=None,
+        ge=1,
+        description="the trainer step: replaces the metrics an older version holds for this "
+        "step or a later one (steps done again after the trainer resumed)",
+    )
 
 
 @router.post("/{run_id}/metrics", status_code=204)
@@ -132,9 +138,9 @@ async def record_run_metrics(
     run_id: uuid.UUID, body: MetricsRecord, session: SessionDep, manager: RunManagerDep
 ) -> None:
     """A trainer step's metrics (the split trainer sends each step's): stored with the
-    weight version, and exported on `/metrics`."""
+    weight version, and exported on `/metrics`. Idempotent, and one row per `step`."""
     await _get(session, run_id)
-    await manager.record_metrics(run_id, body.version, body.metrics)
+    await manager.record_metrics(run_id, body.version, body.metrics, body.step)
 
 
 @router.get("/{run_id}/metrics")
@@ -148,7 +154,13 @@ async def run_metrics(
         "run_id": str(run_id),
         "weight_version": run.weight_version,
         "versions": [
-            {"version": w.version, "created_at": w.created_at, "uri": w.uri, "metrics": w.metrics}
+            {
+                "version": w.version,
+                "created_at": w.created_at,
+                "uri": w.uri,
+                "step": w.step,
+                "metrics": w.metrics,
+            }
             for w in versions
         ],
     }

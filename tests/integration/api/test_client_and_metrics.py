@@ -54,6 +54,47 @@ async def test_the_typed_client_leases_acks_and_reports_metrics(settings: Settin
             assert await client.list_models() == []
 
 
+async def test_a_step_recorded_again_keeps_one_row(settings: Settings) -> None:
+    """A trainer killed after recording steps 2 and 3 but before checkpointing them resumes
+    at step 1 and records them again at newer versions: one row per step remains."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        run = await make_run(app.state.turn_tree)
+        async with app.state.turn_tree.sessions.begin() as session:
+            for version in range(1, 7):
+                session.add(WeightVersion(run_id=run, version=version, uri="x", metrics={}))
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncClient("http://gateway", transport=transport) as client:
+
+            async def rows() -> dict[int, tuple[int | None, dict[str, float]]]:
+                versions = (await client.run_metrics(run))["versions"]
+                return {v["version"]: (v["step"], v["metrics"]) for v in versions}
+
+            for step in (1, 2, 3):  # the first trainer: version = step
+                await client.record_metrics(run, step, {"loss": float(step)}, step=step)
+            # Its successor republished the checkpoint's weights as 4, then does step 2
+            # again at 5, twice (a resent call): the old rows of steps 2 and 3 go.
+            for _ in range(2):
+                await client.record_metrics(run, 5, {"loss": 20.0}, step=2)
+            assert await rows() == {
+                1: (1, {"loss": 1.0}),
+                2: (None, {}),
+                3: (None, {}),
+                4: (None, {}),
+                5: (2, {"loss": 20.0}),
+                6: (None, {}),
+            }
+            await client.record_metrics(run, 6, {"loss": 30.0}, step=3)
+            # A late copy of an earlier call clears nothing recorded after it.
+            await client.record_metrics(run, 1, {"loss": 1.0}, step=1)
+            steps = {v: s for v, (s, _) in (await rows()).items() if s is not None}
+            assert steps == {1: 1, 5: 2, 6: 3}
+            # Without a step (an older trainer): stored as before, nothing cleared.
+            await client.record_metrics(run, 4, {"loss": 4.0})
+            assert (await rows())[4] == (None, {"loss": 4.0})
+            assert len([s for s, _ in (await rows()).values() if s is not None]) == 3
+
+
 async def test_a_scrape_does_not_wait_for_a_dead_engine(app: FastAPI) -> None:
     # A server that takes connections and never answers: the engine is hung, not gone.
     with socket.socket() as hung:

@@ -158,3 +158,28 @@ def test_a_batch_summary_counts_the_trajectories_a_short_group_included() -> Non
     summary = summarize_batch([*full, *short], version=0)
     assert summary["trajectories"] == 3.0
     assert summary["reward"] == pytest.approx(2 / 3)
+
+
+async def test_a_step_is_recorded_before_the_checkpoint_that_covers_it(tmp_path: Path) -> None:
+    stream = MemoryStream(_groups(6, random.Random(2)))
+    policy = TorchPolicy(build_model(TINY, seed=0))
+    seen: list[tuple[int, Path | None, int]] = []
+
+    async def on_step(step: int, metrics: dict[str, float], batch: object) -> None:
+        seen.append((step, latest_checkpoint(tmp_path), len(stream.acked)))
+
+    await train(
+        policy,
+        stream,
+        WeightPublisher("inprocess", [MockEngine()]),
+        _settings(tmp_path, 3, every=1),
+        LoopState(),
+        on_step=on_step,
+    )
+    # Each step's record comes while the newest checkpoint is still the step before's,
+    # and before its batch is acknowledged: a trainer killed between the two redoes it.
+    assert [(s, c.name if c else None, a) for s, c, a in seen] == [
+        (1, None, 0),
+        (2, "step-00000001", 4),
+        (3, "step-00000002", 8),
+    ]
