@@ -5,12 +5,14 @@ the two clients only differ in how they send it. HTTP errors come back as the ma
 class of `agentflow.errors`, so callers handle one exception tree on both sides of the wire.
 
 `RetryingTransport` makes either client (or a plain `httpx.AsyncClient`) ride out a
-gateway that went away: it resends on transport errors and 502/503/504 answers, with
-full-jitter exponential backoff, for a `RetryPolicy` window; then `GatewayUnavailable`.
+gateway that went away or hangs: it gives each attempt a deadline, resends on transport
+errors, missed deadlines and 502/503/504 answers, with full-jitter exponential backoff,
+for a `RetryPolicy` window; then `GatewayUnavailable`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -582,18 +584,53 @@ class RetryPolicy:
 
     The wait before retry n is drawn uniformly from [0, min(max_wait_s, first_wait_s *
     2**(n-1))] ("full jitter": trainers that lost one gateway do not come back in step).
-    A call is retried until `window_s` seconds after its first failure.
+    A call is retried until `window_s` seconds after its first failed attempt was sent.
+
+    Each attempt, from connecting to the answer's last byte, has `attempt_timeout_s`
+    (default: 60 s, or half the window when that is shorter); one that runs out is a
+    failure like a refused connection. A gateway that hangs (it accepts the connection,
+    or the request, and never answers) is so retried like one that died, instead of
+    holding the call for as long as the client's own timeout. It must be shorter than
+    the window, else one hung attempt would outlast the window before a retry could run.
     """
 
     window_s: float = 300.0
     first_wait_s: float = 0.5
     max_wait_s: float = 30.0
+    attempt_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("window_s", "first_wait_s", "max_wait_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise InvalidInput(f"must be > 0, not {value}", field=name)
+        attempt = self.attempt_timeout_s
+        if attempt is not None:
+            if not attempt > 0:
+                raise InvalidInput(f"must be > 0, not {attempt}", field="attempt_timeout_s")
+            if not attempt < self.window_s:
+                raise InvalidInput(
+                    f"each attempt's timeout ({attempt:g} s) must be shorter than the retry "
+                    f"window ({self.window_s:g} s): a hung attempt would use up the window "
+                    "before any retry",
+                    field="attempt_timeout_s",
+                )
+
+    @property
+    def attempt_s(self) -> float:
+        """Each attempt's deadline, in seconds."""
+        if self.attempt_timeout_s is not None:
+            return self.attempt_timeout_s
+        return min(DEFAULT_ATTEMPT_TIMEOUT_S, self.window_s / 2)
+
+
+# Long enough for any call but a weights publish on a loaded gateway (a lease's long poll
+# waits 5 s; the others are a few database statements); publishes set their own.
+DEFAULT_ATTEMPT_TIMEOUT_S = 60.0
+
+
+class AttemptTimeout(httpx.TimeoutException):
+    """One attempt got no whole answer within its `RetryPolicy.attempt_timeout_s`."""
 
 
 async def send_buffered(
@@ -631,10 +668,12 @@ class RetryingTransport(httpx.AsyncBaseTransport):
     """Sends a request until it gets an answer the caller should see, under `policy`.
 
     Retried: transport errors (refused or broken connections, timeouts, a peer that
-    hung up mid-answer) and 502/503/504 answers; one WARNING per retry names the call,
-    the error, the attempt and the wait. Past the window it raises `GatewayUnavailable`,
-    whose message is one line. Answers are read whole inside the attempt (a body cut
-    short is retried too), so this suits calls with JSON bodies, not streams.
+    hung up mid-answer), attempts that got no whole answer within the policy's
+    `attempt_timeout_s` (`AttemptTimeout`) and 502/503/504 answers; one WARNING per retry
+    names the call, the error, the attempt and the wait. Past the window it raises
+    `GatewayUnavailable`, whose message is one line. Answers are read whole inside the
+    attempt (a body cut short is retried too), so this suits calls with JSON bodies, not
+    streams.
 
     Every request is resent as it was: callers route through it only the calls that are
     safe to repeat, or that they make safe (docs/training.md, "When the gateway goes
@@ -651,13 +690,15 @@ class RetryingTransport(httpx.AsyncBaseTransport):
         call = f"{request.method} {request.url.copy_with(query=None)}"
         policy = self.policy
         first_failure: float | None = None
+        sent = time.monotonic()  # when the attempt now running (or the last one) was sent
 
         def left() -> float:
-            """Seconds left in the window, which opens at the call's first failure."""
+            """Seconds left in the window, which opens when the call's first failed attempt
+            was sent: a hung attempt's wait counts, so a gateway that hangs costs the
+            window at most (plus the last attempt's deadline), not window + deadline."""
             nonlocal first_failure
-            now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
-            return first_failure + policy.window_s - now
+            first_failure = sent if first_failure is None else first_failure
+            return first_failure + policy.window_s - time.monotonic()
 
         backoff = tenacity.wait_random_exponential(
             multiplier=policy.first_wait_s, max=policy.max_wait_s
@@ -693,6 +734,7 @@ class RetryingTransport(httpx.AsyncBaseTransport):
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
+                    sent = time.monotonic()
                     return await self._send_once(request)
         except (*_TRANSIENT, _RetryableAnswer) as exc:
             origin = f"{request.url.scheme}://{request.url.netloc.decode()}"
@@ -704,7 +746,16 @@ class RetryingTransport(httpx.AsyncBaseTransport):
         raise AssertionError("unreachable: tenacity returns or raises")
 
     async def _send_once(self, request: httpx.Request) -> httpx.Response:
-        response, body = await send_buffered(self._inner, request)
+        # A deadline on the whole exchange, not an inactivity timeout: a gateway working on
+        # a call (switching its engines to new weights, say) sends nothing until it is done,
+        # so silence alone cannot tell it from a hung one. The answer is read whole inside
+        # the deadline (`send_buffered`), so it also bounds a body that trickles.
+        deadline = self.policy.attempt_s
+        try:
+            async with asyncio.timeout(deadline):
+                response, body = await send_buffered(self._inner, request)
+        except TimeoutError:
+            raise AttemptTimeout(f"no answer within {deadline:g} s", request=request) from None
         if response.status_code in RETRY_STATUSES:
             raise _RetryableAnswer(response.status_code, body)
         return response

@@ -459,6 +459,46 @@ class LoraSettings(_Section):
     )
 
 
+class GatewayCallsConfig(_Section):
+    """How the split trainer (`agentflow trainer`) times out and retries its calls to the
+    gateway (docs/training.md, "When the gateway goes away").
+
+    Each attempt has a deadline on the whole exchange (connect to the answer's last byte),
+    shorter than the retry window, so a gateway that hangs is retried like one that died.
+    Publishes get their own, longer deadline: the gateway answers a publish once its engines
+    have loaded the new weights, and sends nothing before, so no inactivity timeout could
+    tell a big model's load from a hung gateway; the deadline is a budget for that load.
+    """
+
+    retry_window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="how long a call is retried from its first failed attempt; then the "
+        "trainer exits 1 (`--retry-window-s` overrides it)",
+    )
+    attempt_timeout_s: float = Field(
+        default=60.0, gt=0, description="each attempt of a call, whole; < retry_window_s"
+    )
+    publish_timeout_s: float = Field(
+        default=240.0,
+        gt=0,
+        description="each attempt of a weights publish (the engines load the version before "
+        "the gateway answers); < retry_window_s",
+    )
+
+    @model_validator(mode="after")
+    def _inside_the_window(self) -> GatewayCallsConfig:
+        for name in ("attempt_timeout_s", "publish_timeout_s"):
+            value = getattr(self, name)
+            if not value < self.retry_window_s:
+                raise ValueError(
+                    f"{name} ({value:g} s) must be shorter than retry_window_s "
+                    f"({self.retry_window_s:g} s): one hung attempt would use up the window "
+                    "before any retry"
+                )
+        return self
+
+
 class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = Field(
         default="torch",
@@ -528,6 +568,10 @@ class TrainerConfig(_Section):
         default=False, description="recompute layer activations in the backward pass"
     )
     lora: LoraSettings | None = Field(default=None, description="train adapters only (peft)")
+    gateway: GatewayCallsConfig = Field(
+        default_factory=GatewayCallsConfig,
+        description="the split trainer's calls to the gateway: deadlines and retry window",
+    )
 
     @field_validator("betas")
     @classmethod

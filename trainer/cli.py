@@ -15,7 +15,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,6 +23,9 @@ from agentflow.cli import ConfigArg, KeyOpt, fail, print_json, read_run_config
 from agentflow.cli import app as gateway_app
 from agentflow.errors import AgentFlowError, InvalidInput
 from trainer.ranks import ARGV_ENV
+
+if TYPE_CHECKING:
+    from agentflow.run_config import RunConfig
 
 # What torchrun runs in each rank of `agentflow trainer` (trainer/ranks.py).
 COMMAND_MODULE = "trainer.cli"
@@ -154,8 +157,8 @@ def eval_command(
     print_json({"model": str(model), "envs": {env: asdict(m) for env, m in results.items()}})
 
 
-def _positive(value: float) -> float:
-    if not value > 0:
+def _positive_or_none(value: float | None) -> float | None:
+    if value is not None and not value > 0:
         raise typer.BadParameter(f"must be > 0, not {value}")
     return value
 
@@ -175,23 +178,26 @@ def trainer_command(
     ] = None,
     api_key: KeyOpt = None,
     retry_window_s: Annotated[
-        float,
+        float | None,
         typer.Option(
             envvar="AGENTFLOW_TRAINER_RETRY_WINDOW_S",
-            callback=_positive,
-            help="seconds each call to the gateway is retried while it is away "
-            "(connection errors, 502/503/504); then the trainer exits 1",
+            callback=_positive_or_none,
+            help="seconds each call to the gateway is retried while it is away or hangs "
+            "(connection errors, timed-out attempts, 502/503/504); then the trainer exits 1. "
+            "Default: the config's trainer.gateway.retry_window_s (300)",
+            show_default=False,
         ),
-    ] = 300.0,
+    ] = None,
 ) -> None:
     """The split form: train a run that a gateway executes (disk or nccl weight sync).
 
     With `trainer.ranks > 1`, or the Megatron backend, this command starts torchrun
     with `trainer.ranks` copies of itself (trainer/ranks.py), each of which runs `main`."""
     run_config = read_run_config(config)
+    if retry_window_s is not None:
+        run_config = _with_retry_window(run_config, retry_window_s)
     import httpx
 
-    from agentflow.client import RetryPolicy
     from trainer import ranks
     from trainer.remote import check_split_form, train_remote
 
@@ -202,14 +208,32 @@ def trainer_command(
             raise fail(exc) from None
         raise typer.Exit(ranks.launch(run_config.trainer.ranks, COMMAND_MODULE, sys.argv[1:]))
 
-    retry = RetryPolicy(window_s=retry_window_s)
     try:
         run = uuid.UUID(run_id) if run_id is not None else None
-        summary = train_remote(run_config, gateway, run, api_key=api_key, retry=retry)
+        summary = train_remote(run_config, gateway, run, api_key=api_key)
     except (AgentFlowError, ValueError, httpx.TransportError) as exc:
         raise fail(exc) from None
     if "rank" not in summary:  # rank 0's, or the only process's
         print_json(summary)
+
+
+def _with_retry_window(config: RunConfig, window_s: float) -> RunConfig:
+    """`config` with `--retry-window-s` as its trainer.gateway.retry_window_s, checked as
+    the config's own value is (the attempts' deadlines must fit in it), or exit 1."""
+    from pydantic import ValidationError
+
+    from agentflow.run_config import GatewayCallsConfig
+
+    calls = config.trainer.gateway.model_dump() | {"retry_window_s": window_s}
+    try:
+        gateway = GatewayCallsConfig.model_validate(calls)
+    except ValidationError as exc:
+        said = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise fail(
+            InvalidInput(f"--retry-window-s {window_s:g}: {said}", field=("trainer", "gateway"))
+        ) from None
+    trainer = config.trainer.model_copy(update={"gateway": gateway})
+    return config.model_copy(update={"trainer": trainer})
 
 
 def main() -> None:

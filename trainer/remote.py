@@ -15,9 +15,11 @@ run's on what both sides use (the starting model, the sampling temperature the l
 are taken at, the group size, the batch the gateway's staleness gate admits episodes for).
 
 Every call to the gateway goes through a `RetryingTransport`: a gateway that restarts
-within the retry window (`--retry-window-s`) costs this process waits, not its state;
-one that stays away ends it with `GatewayUnavailable`. docs/training.md ("When the
-gateway goes away") says why each call is safe to send again.
+within the retry window (`trainer.gateway.retry_window_s`, or `--retry-window-s`) costs
+this process waits, not its state; one that stays away ends it with `GatewayUnavailable`.
+Each attempt has a deadline shorter than the window (`trainer.gateway`), so a gateway
+that hangs is retried like one that died. docs/training.md ("When the gateway goes
+away") says why each call is safe to send again.
 
 Without a run id the trainer trains the newest open run named like its config, or creates
 one (`find_or_create_run`): a trainer that restarts (a container restarted on failure)
@@ -50,7 +52,7 @@ from agentflow.client import (
 from agentflow.errors import AgentFlowError, InvalidInput
 from agentflow.inference.base import WeightUpdate
 from agentflow.rollout.stream import HttpTrajectoryStream
-from agentflow.run_config import RunConfig, check_device
+from agentflow.run_config import GatewayCallsConfig, RunConfig, check_device
 from trainer import ranks
 from trainer.backends.base import Policy
 from trainer.broadcast_sync import BroadcastPublisher, broadcast_settings, tied_names
@@ -90,10 +92,10 @@ def train_remote(
     run_id: uuid.UUID | None = None,
     *,
     api_key: str | None = None,
-    retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
-    """`retry`: how long each call waits out a gateway that went away (default 5 min).
-    Without `run_id`, the run is `find_or_create_run`'s, named on stderr."""
+    """Train run `run_id` of `gateway`; its calls are retried and timed out as
+    `config.trainer.gateway` says. Without `run_id`, the run is `find_or_create_run`'s,
+    named on stderr."""
     check_split_form(config)
     if config.trainer.threads:
         import torch
@@ -106,9 +108,7 @@ def train_remote(
                 "backend): run it with `agentflow trainer`, which starts torchrun",
                 field=("trainer", "ranks"),
             )
-        return asyncio.run(
-            _train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy())
-        )
+        return asyncio.run(_train(config, gateway.rstrip("/"), run_id, api_key))
     # One of `trainer.ranks` torchrun processes (trainer/ranks.py): rank 0 trains the run,
     # the others follow its commands and never call the gateway.
     import torch.distributed as dist
@@ -120,11 +120,19 @@ def train_remote(
     try:
         if dist.get_rank() != 0:
             return {"rank": dist.get_rank(), "steps": ranks.follow(build_policy(config))}
-        return asyncio.run(
-            _train(config, gateway.rstrip("/"), run_id, api_key, retry or RetryPolicy())
-        )
+        return asyncio.run(_train(config, gateway.rstrip("/"), run_id, api_key))
     finally:
         dist.destroy_process_group()
+
+
+def gateway_policies(calls: GatewayCallsConfig) -> tuple[RetryPolicy, RetryPolicy]:
+    """The retry policies of this trainer's calls to the gateway: one for every call but
+    the weights calls, and one for those, whose attempts get `publish_timeout_s` (the
+    gateway answers once its engines have loaded the version). One window for both."""
+    return (
+        RetryPolicy(window_s=calls.retry_window_s, attempt_timeout_s=calls.attempt_timeout_s),
+        RetryPolicy(window_s=calls.retry_window_s, attempt_timeout_s=calls.publish_timeout_s),
+    )
 
 
 def check_split_form(config: RunConfig) -> None:
@@ -391,110 +399,147 @@ async def _train(
     gateway: str,
     run_id: uuid.UUID | None,
     api_key: str | None,
-    retry: RetryPolicy,
 ) -> dict[str, Any]:
     directory = Path(config.trainer.run_dir) / config.name
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    calls = config.trainer.gateway
+    retry, publishes = gateway_policies(calls)
     by_name = run_id is None
     if run_id is None:
         chosen, created = await find_or_create_run(config, gateway, api_key=api_key, retry=retry)
         run_id = chosen.id
         how = "created" if created else f"resumed ({chosen.status})"
         print(f"trainer: run {run_id} {how}, named {config.name!r}", file=sys.stderr, flush=True)
-    async with AsyncClient(gateway, api_key=api_key, transport=RetryingTransport(retry)) as api:
+    # The clients' own (per read, per write) timeouts are the attempts' deadlines too: the
+    # transport's deadline on the whole attempt is the one that counts.
+    api = AsyncClient(
+        gateway,
+        api_key=api_key,
+        timeout_s=calls.attempt_timeout_s,
+        transport=RetryingTransport(retry),
+    )
+    async with api:
         run = await api.get_run(run_id)  # NotFound, Unauthorized: named errors
-    try:
-        check_same_run(config, run.config, run_id)
-    except InvalidInput as exc:
-        if not by_name:
-            raise
-        raise InvalidInput(
-            f"{exc.message}; run {run_id} is the newest open run named {config.name!r}: "
-            "stop it (`agentflow runs control ID stop`) or give this config another name",
-            field=exc.field,
-        ) from None
-    async with httpx.AsyncClient(
-        base_url=gateway, headers=headers, timeout=120, transport=RetryingTransport(retry)
-    ) as client:
-        document = config.model_dump(mode="json")
-        report = RunReport(
-            directory,
-            config.trainer.steps,
-            loggers=build_loggers(config.logger, directory, config.name, document),
-        )
-        stream = HttpTrajectoryStream(client, run_id)
-        local = build_policy(config)
-        leader = ranks.LeaderPolicy(local) if ranks.in_ranks() else None
-        # The leader answers the local policy's calls, making them on every rank.
-        policy: Policy = leader if leader is not None else local
-        checkpoints = directory / "checkpoints"
-        state, restored = await resume(policy, stream, checkpoints)
-        weights_api = AsyncClient(
-            gateway, api_key=api_key, timeout_s=1800.0, transport=RetryingTransport(retry)
-        )
-        # The steps after the checkpoint are done again, each writing its row anew; the
-        # checkpointed ones whose row the gateway lacks (a post that failed) are sent again.
-        report.keep_through(state.step)
-        await resend_missing_metrics(weights_api, run_id, report)
-        target = GatewayWeightTarget(gateway, run_id, api_key, client=weights_api)
-        published = RepeatablePublish(target, client, str(run_id))
-        publisher: Publisher
-        if config.weights.sync == "nccl":
-            # Not repeatable: a broadcast the engines missed cannot be asked for again.
-            publisher = BroadcastPublisher(
-                [target], broadcast_settings(config), skip=tied_names(policy.model.config)
-            )
-        else:
-            weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
-            publisher = WeightPublisher(
-                "disk",
-                [published],
-                weights_dir.resolve(),
-                config=policy.model.config,
-                untied_head=config.engine.type == "vllm",
-            )
-
-        async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
-            row = {**summarize_batch(batch, state.version - 1), **metrics}
-            ids = [str(t.id) for t in batch]
-            # On disk first: the checkpoint that follows counts on it (trainer.loop).
-            report.record(step, row, version=state.version, trajectory_ids=ids)
-            await _post_metrics(weights_api, run_id, step, state.version, row)
-
-        async def on_error(step: int, message: str) -> None:
-            report.error(step, message)
-
-        settings = loop_settings(config, checkpoints)
-        teachers = build_teachers(config, policy.model)
         try:
-            if restored is not None:
-                state.version = max(state.version, run.weight_version) + 1
-                await publisher.publish(policy.state_dict(), state.version)
-            else:
-                state.version = run.weight_version
-            await train(
-                policy,
-                stream,
-                publisher,
-                settings,
-                state,
-                on_step=on_step,
-                teachers=teachers,
-                on_error=on_error,
+            check_same_run(config, run.config, run_id)
+        except InvalidInput as exc:
+            if not by_name:
+                raise
+            raise InvalidInput(
+                f"{exc.message}; run {run_id} is the newest open run named {config.name!r}: "
+                "stop it (`agentflow runs control ID stop`) or give this config another name",
+                field=exc.field,
+            ) from None
+        async with httpx.AsyncClient(
+            base_url=gateway,
+            headers=headers,
+            timeout=calls.attempt_timeout_s,
+            transport=RetryingTransport(retry),
+        ) as client:
+            return await _train_run(
+                config, gateway, api_key, run, api, client, publishes, directory
             )
-        except WeightSyncError:
-            if published.gave_up is not None:  # one line, not the publisher's wrapping
-                raise published.gave_up from None
-            raise
-        finally:
-            if leader is not None:
-                leader.stop()
-            report.close()
-            if isinstance(publisher, BroadcastPublisher):
-                publisher.close()
-            await weights_api.aclose()
-            if teachers is not None:
-                await teachers.close()
+
+
+async def _train_run(
+    config: RunConfig,
+    gateway: str,
+    api_key: str | None,
+    run: RunPublic,
+    api: AsyncClient,
+    client: httpx.AsyncClient,
+    publishes: RetryPolicy,
+    directory: Path,
+) -> dict[str, Any]:
+    """`api`, `client`: the gateway's, for every call but the weights calls."""
+    run_id = run.id
+    document = config.model_dump(mode="json")
+    report = RunReport(
+        directory,
+        config.trainer.steps,
+        loggers=build_loggers(config.logger, directory, config.name, document),
+    )
+    stream = HttpTrajectoryStream(client, run_id)
+    local = build_policy(config)
+    leader = ranks.LeaderPolicy(local) if ranks.in_ranks() else None
+    # The leader answers the local policy's calls, making them on every rank.
+    policy: Policy = leader if leader is not None else local
+    checkpoints = directory / "checkpoints"
+    state, restored = await resume(policy, stream, checkpoints)
+    # The steps after the checkpoint are done again, each writing its row anew; the
+    # checkpointed ones whose row the gateway lacks (a post that failed) are sent again.
+    report.keep_through(state.step)
+    await resend_missing_metrics(api, run_id, report)
+    weights_api = AsyncClient(
+        gateway,
+        api_key=api_key,
+        timeout_s=config.trainer.gateway.publish_timeout_s,
+        transport=RetryingTransport(publishes),
+    )
+    target = GatewayWeightTarget(gateway, run_id, client=weights_api)
+    published = RepeatablePublish(target, client, str(run_id))
+    publisher: Publisher
+    if config.weights.sync == "nccl":
+        # Not repeatable: a broadcast the engines missed cannot be asked for again.
+        publisher = BroadcastPublisher(
+            [target], broadcast_settings(config), skip=tied_names(policy.model.config)
+        )
+    else:
+        weights_dir = Path(config.weights.dir) if config.weights.dir else directory / "weights"
+        publisher = WeightPublisher(
+            "disk",
+            [published],
+            weights_dir.resolve(),
+            config=policy.model.config,
+            untied_head=config.engine.type == "vllm",
+        )
+
+    async def on_step(step: int, metrics: dict[str, float], batch: Any) -> None:
+        row = {**summarize_batch(batch, state.version - 1), **metrics}
+        ids = [str(t.id) for t in batch]
+        # On disk first: the checkpoint that follows counts on it (trainer.loop).
+        report.record(step, row, version=state.version, trajectory_ids=ids)
+        await _post_metrics(api, run_id, step, state.version, row)
+
+    async def on_error(step: int, message: str) -> None:
+        report.error(step, message)
+
+    settings = loop_settings(config, checkpoints)
+    # A lease waits on the gateway for data at most half an attempt's deadline, so an
+    # idle run's long poll is never taken for a hung gateway.
+    settings.pull_timeout_s = min(
+        settings.pull_timeout_s, config.trainer.gateway.attempt_timeout_s / 2
+    )
+    teachers = build_teachers(config, policy.model)
+    try:
+        if restored is not None:
+            state.version = max(state.version, run.weight_version) + 1
+            await publisher.publish(policy.state_dict(), state.version)
+        else:
+            state.version = run.weight_version
+        await train(
+            policy,
+            stream,
+            publisher,
+            settings,
+            state,
+            on_step=on_step,
+            teachers=teachers,
+            on_error=on_error,
+        )
+    except WeightSyncError:
+        if published.gave_up is not None:  # one line, not the publisher's wrapping
+            raise published.gave_up from None
+        raise
+    finally:
+        if leader is not None:
+            leader.stop()
+        report.close()
+        if isinstance(publisher, BroadcastPublisher):
+            publisher.close()
+        await weights_api.aclose()
+        if teachers is not None:
+            await teachers.close()
     return report.finish({"run": config.name, "run_id": str(run_id), "gateway": gateway})
 
 

@@ -366,6 +366,10 @@ class GatewayWeightTarget:
     `BroadcastTarget` (trainer/broadcast_sync.py): the run's engines join the trainer's
     group through the gateway. Either way the gateway pauses the run's engines, switches
     them and records the version.
+
+    Without `client`, each call is sent once and may take `timeout_s` (the default of
+    `trainer.gateway.publish_timeout_s`); the split trainer passes a client that retries
+    each call with that deadline per attempt (trainer/remote.py).
     """
 
     def __init__(
@@ -374,7 +378,7 @@ class GatewayWeightTarget:
         run_id: uuid.UUID | str,
         api_key: str | None = None,
         *,
-        timeout_s: float = 1800.0,
+        timeout_s: float = 240.0,
         client: AsyncClient | None = None,
     ) -> None:
         from agentflow.client import AsyncClient

@@ -37,7 +37,9 @@ def test_the_trainer_rides_out_a_gateway_restart(sqlite_database: str, tmp_path:
     }
     config = _config(tmp_path, env["name"])
     config["name"] = "split-restart"
-    config["trainer"] |= {"steps": STEPS, "checkpoint_every": 2}
+    # Deadlines inside the window `--retry-window-s` gives (the defaults fit 300 s).
+    gateway_calls = {"attempt_timeout_s": 30, "publish_timeout_s": 60}
+    config["trainer"] |= {"steps": STEPS, "checkpoint_every": 2, "gateway": gateway_calls}
     config_file = tmp_path / "run.json"
     config_file.write_text(json.dumps(config))
     port = _free_port()

@@ -1,6 +1,7 @@
 """`RetryingTransport` against a real loopback HTTP server that fails as scripted: what is
-retried (broken connections, refused connections, 502/503/504), what is not (4xx), the
-backoff's log lines, and the give-up after the window, down to the CLI's one line."""
+retried (broken connections, refused connections, attempts that get no answer within their
+deadline, 502/503/504), what is not (4xx), the backoff's log lines, and the give-up after
+the window, down to the CLI's one line."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from trainer.cli import app
 
 FAST = RetryPolicy(window_s=10.0, first_wait_s=0.01, max_wait_s=0.05)
 DROP = "drop"  # close the connection without an answer
+HANG = "hang"  # read the request, then never answer (until the server stops)
 
 
 Reply = int | str | tuple[int, dict[str, Any]]
@@ -34,7 +36,8 @@ Reply = int | str | tuple[int, dict[str, Any]]
 
 class ScriptedGateway:
     """A loopback HTTP/1.1 server; each request gets the next scripted reply (the last one
-    repeats): a status code (answered with a JSON body), a status and a body, or `DROP`."""
+    repeats): a status code (answered with a JSON body), a status and a body, `DROP` or
+    `HANG`."""
 
     def __init__(self, replies: list[Reply], port: int = 0) -> None:
         self.replies = list(replies)
@@ -42,6 +45,7 @@ class ScriptedGateway:
         self.requests: list[tuple[str, str, bytes]] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()  # lets the hanging handlers go
 
     @property
     def url(self) -> str:
@@ -60,7 +64,9 @@ class ScriptedGateway:
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
                 gateway.requests.append((self.command, self.path, body))
                 reply = gateway._next()
-                if reply == DROP:
+                if reply == HANG:
+                    gateway._stopping.wait()
+                if reply in (DROP, HANG):
                     self.close_connection = True
                     return
                 status, answer = (
@@ -85,6 +91,7 @@ class ScriptedGateway:
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopping.set()
         if self._server is not None and self._thread is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -198,10 +205,16 @@ def test_the_policy_refuses_a_window_or_wait_that_is_not_positive(field: str, va
     assert refused.value.field == (field,)
 
 
+# Attempts' deadlines that fit the short windows these tests give the trainer.
+SHORT_ATTEMPTS = {"attempt_timeout_s": 0.3, "publish_timeout_s": 0.3}
+
+
 def test_the_trainer_gives_up_on_a_gateway_that_stays_away_with_one_line(
     tmp_path: Path,
 ) -> None:
-    config = _config(tmp_path, {"weights": {"sync": "disk"}})
+    config = _config(
+        tmp_path, {"weights": {"sync": "disk"}, "trainer": {"gateway": SHORT_ATTEMPTS}}
+    )
     url = f"http://127.0.0.1:{_free_port()}"
     run_id = str(uuid.uuid4())
     trainer = ["trainer", str(config), "--gateway", url, "--run", run_id]
@@ -224,3 +237,93 @@ def test_the_trainer_refuses_a_window_that_is_not_positive(tmp_path: Path, windo
     result = CliRunner().invoke(app, [*trainer, "--retry-window-s", window])
     assert result.exit_code == 2
     assert "--retry-window-s" in result.output and "must be > 0" in result.output
+
+
+async def test_an_attempt_that_gets_no_answer_in_time_is_retried(
+    scripted: list[ScriptedGateway], caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = _gateway(scripted, [HANG, HANG, 200])
+    policy = RetryPolicy(window_s=20.0, first_wait_s=0.01, max_wait_s=0.05, attempt_timeout_s=0.3)
+    started = time.monotonic()
+    async with httpx.AsyncClient(
+        base_url=gateway.url, timeout=600, transport=RetryingTransport(policy)
+    ) as http:
+        response = await asyncio.wait_for(http.post("/v1/runs/r/weights", json={"v": 3}), 15)
+    assert response.status_code == 200
+    assert 0.6 <= time.monotonic() - started < 10  # two deadlines, not the client's 600 s
+    assert [r[2] for r in gateway.requests] == [b'{"v":3}'] * 3  # resent as it was
+    lines = _retries(caplog)
+    assert len(lines) == 2
+    assert all("AttemptTimeout: no answer within 0.3 s; retrying in " in line for line in lines)
+
+
+async def test_a_gateway_that_hangs_fails_the_call_after_the_window(
+    scripted: list[ScriptedGateway],
+) -> None:
+    gateway = _gateway(scripted, [HANG])
+    policy = RetryPolicy(window_s=1.5, first_wait_s=0.01, max_wait_s=0.05, attempt_timeout_s=0.4)
+    started = time.monotonic()
+    async with AsyncClient(gateway.url, timeout_s=1800, transport=RetryingTransport(policy)) as api:
+        with pytest.raises(GatewayUnavailable) as raised:
+            await asyncio.wait_for(api.get_run(uuid.uuid4()), 30)
+    took = time.monotonic() - started
+    # The window opens when the first attempt is sent, and the last one may start at its
+    # end: the window plus one deadline at most.
+    assert 1.5 <= took < 1.5 + 0.4 + 2.0, took
+    message = str(raised.value)
+    assert f"the gateway at {gateway.url} did not answer for 1.5 s (GET /v1/runs/" in message
+    assert message.endswith("last error: AttemptTimeout: no answer within 0.4 s)"), message
+    assert len(gateway.requests) >= 3
+
+
+@pytest.mark.parametrize("attempt", [1.0, 2.0])
+def test_the_policy_refuses_an_attempt_as_long_as_the_window(attempt: float) -> None:
+    with pytest.raises(InvalidInput, match="shorter than the retry window") as refused:
+        RetryPolicy(window_s=1.0, attempt_timeout_s=attempt)
+    assert refused.value.field == ("attempt_timeout_s",)
+
+
+def test_an_attempt_s_deadline_defaults_inside_the_window() -> None:
+    assert RetryPolicy().attempt_s == 60.0
+    assert RetryPolicy(window_s=10.0).attempt_s == 5.0
+    assert RetryPolicy(window_s=10.0, attempt_timeout_s=9.0).attempt_s == 9.0
+
+
+@pytest.mark.parametrize(
+    ("gateway", "flag"),
+    [
+        ({"attempt_timeout_s": 300}, []),
+        ({"publish_timeout_s": 400}, []),
+        ({}, ["--retry-window-s", "100"]),  # the default publish deadline is 240 s
+    ],
+)
+def test_the_trainer_refuses_an_attempt_as_long_as_its_window(
+    tmp_path: Path, gateway: dict[str, float], flag: list[str]
+) -> None:
+    config = _config(tmp_path, {"weights": {"sync": "disk"}, "trainer": {"gateway": gateway}})
+    trainer = ["trainer", str(config), "--gateway", "http://127.0.0.1:9", "--run", "x"]
+    result = CliRunner().invoke(app, [*trainer, *flag])
+    assert result.exit_code == 1, result.output
+    assert "trainer.gateway" in result.stderr and "must be shorter than retry_window_s" in (
+        result.stderr
+    ), result.stderr
+
+
+def test_the_trainer_gives_up_on_a_gateway_that_hangs_with_one_line(
+    tmp_path: Path, scripted: list[ScriptedGateway]
+) -> None:
+    gateway = _gateway(scripted, [HANG])
+    calls = {"retry_window_s": 1.5, "attempt_timeout_s": 0.4, "publish_timeout_s": 0.4}
+    config = _config(tmp_path, {"weights": {"sync": "disk"}, "trainer": {"gateway": calls}})
+    run_id = str(uuid.uuid4())
+    started = time.monotonic()
+    result = CliRunner().invoke(
+        app, ["trainer", str(config), "--gateway", gateway.url, "--run", run_id]
+    )
+    assert time.monotonic() - started < 15  # the window, not a client's 30 s timeout
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"error: the gateway at {gateway.url} did not answer for 1.5 s (GET /v1/runs/{run_id}, "
+    ), result.stderr
+    assert last.endswith("last error: AttemptTimeout: no answer within 0.4 s)"), last
