@@ -125,10 +125,10 @@ class MetricsRecord(BaseModel):
 
     version: Int32 = Field(ge=0, description="the weight version the step produced")
     metrics: dict[str, float] = Field(max_length=1000, description="the step's numbers")
-    step: int | None = Field(
+    step: Int32 | None = Field(
         default=None,
         ge=1,
-        description="the trainer step: replaces the metrics an older version holds for this "
+        description="the trainer step (an Integer column): replaces the metrics an older version holds for this "
         "step or a later one (steps done again after the trainer resumed)",
     )
 

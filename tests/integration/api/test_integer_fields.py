@@ -367,7 +367,7 @@ class Gateway:
             sent = json.loads(response.request.content)
             versions = (await self.http.get(f"/v1/runs/{self.stored_run}/metrics")).json()
             (landed,) = [v for v in versions["versions"] if v["metrics"] == sent["metrics"]]
-            return landed["version"]
+            return landed[f.loc[0]]  # the version, or the step it holds
         if route == ("POST", "/v1/runs/{run_id}/weights") and f.loc == ("version",):
             run = (await self.http.get(f"/v1/runs/{self.live_run}")).json()
             recorded = (await self.http.get(f"/v1/runs/{self.live_run}/metrics")).json()
