@@ -132,7 +132,9 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
         return any(m["generation"] == 1 and m["steps"] > 0 for m in members)
 
     await until(replacement_served, timeout=300.0)  # a new actor loads torch and the model
-    await until(lambda: ended(api, run.id, 30))
+    # A few more episodes past the replacement show the run goes on; the kill's effects
+    # (lost requests resent, nothing failed) are settled by then.
+    await until(lambda: ended(api, run.id, 16))
     await api.stop_run(run.id)
     await until(lambda: _status(api, run.id, "stopped"))
 
@@ -140,13 +142,13 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
     assert pool.counters.lost_requests >= 1, "the dead engine held sessions"
     episodes = await all_episodes(api, run.id)
     executor_started = len(episodes)
-    assert executor_started >= 30
+    assert executor_started >= 16
     assert {e.status for e in episodes} <= TERMINAL, "every episode ended, none dangles"
     by_status = {s: sum(e.status == s for e in episodes) for s in TERMINAL}
     # The turns that were on the dead engine were sent again on a live one: no episode
     # failed; the only aborted ones are those the stop cut short, with that reason.
     assert by_status["failed"] == 0, [e.error for e in episodes if e.status == "failed"]
-    assert by_status["completed"] + by_status["truncated"] >= 30
+    assert by_status["completed"] + by_status["truncated"] >= 16
     for episode in episodes:
         if episode.status == "aborted":
             assert episode.error == "stopped through the API"
