@@ -1,6 +1,8 @@
-"""`python -m tests.integration.trainer.crashing_trainer POINT STEP ARGS...`: the
+"""`python -m tests.integration.trainer.crashing_trainer POINT FROM ARGS...`: the
 `agentflow ARGS...` command (`trainer CONFIG --gateway URL --run ID`), which kills its own
-process with SIGKILL when step STEP of a fresh start reaches POINT, as a crash there would.
+process with SIGKILL when the first step it trains from step FROM on reaches POINT, as a
+crash there would. "The first step it trains" counts from where it resumes: a process
+that resumes after the checkpoint of step 3 dies in step max(4, FROM).
 
 The points, in the order the train loop passes them (trainer/loop.py):
 
@@ -12,7 +14,8 @@ The points, in the order the train loop passes them (trainer/loop.py):
     before_next_step   acknowledged; the next step has not started
 
 The loop's own functions are wrapped (nothing in the product knows of this), so a point
-that the loop no longer passes leaves the process alive, which the test sees.
+that the loop no longer passes leaves the process alive, which the test sees. Before it
+dies it prints `crashing_trainer: SIGKILL at POINT of step N` (stderr).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 POINTS = (
@@ -32,66 +36,91 @@ POINTS = (
     "before_next_step",
 )
 
-
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+DYING = "crashing_trainer: SIGKILL at"
 
 
-def install(point: str, step: int) -> None:
-    """Wrap the loop's steps so that step `step` dies at `point`. A fresh start publishes
-    version N at step N (the run serves version 0), which is how a publish knows its step."""
+def install(point: str, first: int) -> None:
+    """Wrap the loop's steps so that the first step this process trains from step `first`
+    on dies at `point`.
+
+    The step is known once the loop resumes: `trainer.loop.resume` returns the state the
+    loop then advances in place, so each point reads the step from it. (A version is no
+    step: a resumed trainer republishes its checkpoint's weights under a new version.)"""
     import trainer.loop as loop
     from trainer.report import RunReport
     from trainer.weights import SyncReport, WeightPublisher
 
     assert point in POINTS, point
+    # `from trainer.loop import resume` in these takes the wrapper only if it comes first.
+    assert "trainer.remote" not in sys.modules and "trainer.embedded" not in sys.modules
+    resumed: dict[str, Any] = {}  # "state": the loop's state; "target": the step that dies
     checkpointing = {"step": 0}
+
+    def at(where: str, step: int) -> bool:
+        return point == where and "target" in resumed and step == resumed["target"]
+
+    def die(step: int) -> None:
+        print(f"{DYING} {point} of step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    resume = loop.resume
+
+    async def resume_then(policy: Any, stream: Any, root: Path) -> tuple[Any, Path | None]:
+        state, restored = await resume(policy, stream, root)
+        resumed.update(state=state, target=max(state.step + 1, first))
+        return state, restored
 
     publish = WeightPublisher.publish
 
     async def publish_then(
         self: WeightPublisher, state: Mapping[str, Any], version: int
     ) -> SyncReport:
-        if point == "before_publish" and version == step:
-            _die()
+        # The loop counts the step before it publishes; the republish at a resume comes
+        # before the loop, a step short of the target.
+        step = resumed["state"].step if "state" in resumed else 0
+        if at("before_publish", step):
+            die(step)
         report = await publish(self, state, version)
-        if point == "before_metrics" and version == step:
-            _die()
+        if at("before_metrics", step):
+            die(step)
         return report
 
     record = RunReport.record
 
-    def record_then(self: RunReport, at: int, metrics: dict[str, float], **more: Any) -> None:
-        record(self, at, metrics, **more)
-        if point == "mid_metrics" and at == step:
-            _die()
+    def record_then(self: RunReport, step: int, metrics: dict[str, float], **more: Any) -> None:
+        record(self, step, metrics, **more)
+        if at("mid_metrics", step):
+            die(step)
 
     checkpoint_and_ack = loop.checkpoint_and_ack
 
     async def checkpoint_then(policy: Any, stream: Any, settings: Any, state: Any) -> None:
-        if point == "before_checkpoint" and state.step == step:
-            _die()
+        if at("before_checkpoint", state.step):
+            die(state.step)
         checkpointing["step"] = state.step
         await checkpoint_and_ack(policy, stream, settings, state)
-        if point == "before_next_step" and state.step == step:
-            _die()
+        if at("before_next_step", state.step):
+            die(state.step)
 
     ack_all = loop.ack_all
 
     async def ack_then(stream: Any, unacked: Any) -> int:
-        if point == "before_ack" and checkpointing["step"] == step:
-            _die()
+        # Also called by `resume`, for the batches of the checkpoint it restores: before
+        # the target is set.
+        if at("before_ack", checkpointing["step"]):
+            die(checkpointing["step"])
         return await ack_all(stream, unacked)
 
+    loop.resume = resume_then
     WeightPublisher.publish = publish_then  # type: ignore[method-assign,assignment]
-    RunReport.record = record_then  # type: ignore[method-assign,assignment]
+    RunReport.record = record_then  # type: ignore[method-assign]
     loop.checkpoint_and_ack = checkpoint_then
     loop.ack_all = ack_then
 
 
 def main() -> None:
-    point, step, *args = sys.argv[1:]
-    install(point, int(step))
+    point, first, *args = sys.argv[1:]
+    install(point, int(first))
     from trainer.cli import app
 
     app(args=args, prog_name="agentflow")

@@ -3,9 +3,12 @@ metrics written, checkpointed, acknowledged) and started again: every step has e
 one metrics row, in metrics.jsonl and in the gateway's API, and every trajectory the
 gateway counts as trained is in exactly one row.
 
-One real `agentflow serve` (SQLite) for the module; per point, a run of 3 steps with a
-checkpoint each step, a trainer that dies at step 2 (tests/integration/trainer/
-crashing_trainer.py) and a plain `agentflow trainer` that resumes and finishes.
+One real `agentflow serve` (SQLite) and one run of 4 steps with a checkpoint each step.
+The crashes are chained: a trainer (tests/integration/trainer/crashing_trainer.py) dies
+at the first point in the first step it trains from step 2 on, the next one resumes and
+dies at the second point in the first step *it* trains, and so on to the sixth; then a
+plain `agentflow trainer` resumes and finishes. Each crash but the first's comes after a
+resume from a checkpoint, and at least one step follows the last.
 """
 
 from __future__ import annotations
@@ -27,13 +30,17 @@ import pytest
 
 from tests.integration.test_gateway_crash import gateway_process
 from tests.integration.test_serve import _free_port
-from tests.integration.trainer.crashing_trainer import POINTS
+from tests.integration.trainer.crashing_trainer import DYING, POINTS
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[3]
-STEPS = 3
-CRASH_AT = 2  # a checkpoint before it, a step after it
+# The trainers die in steps 2, 2, 2, 2, 2 and 3: the first trains step 1 before its own,
+# and only after before_ack and before_next_step is the step's checkpoint on disk (the next
+# trainer resumes after it; otherwise it does the step again). The last trains step 4.
+STEPS = 4
+CRASH_FROM = 2  # the first crash has a checkpoint before it too
+CHECKPOINTED = ("before_ack", "before_next_step")
 ENV = "crash-parity"
 
 
@@ -103,23 +110,32 @@ def _consumed(database_url: str, run_id: str) -> list[str]:
     return [str(uuid.UUID(i)) for i, status in rows if status == "consumed"]
 
 
-@pytest.mark.parametrize("point", POINTS)
 def test_a_killed_trainer_resumes_with_one_metrics_row_per_step(
-    gateway: tuple[str, str], tmp_path: Path, point: str
+    gateway: tuple[str, str], tmp_path: Path
 ) -> None:
     url, database = gateway
-    config = _config(tmp_path, f"crash-{point}-{time.monotonic_ns()}")
+    config = _config(tmp_path, f"crash-{time.monotonic_ns()}")
     config_file = tmp_path / "run.json"
     config_file.write_text(json.dumps(config))
     created = httpx.post(f"{url}/v1/runs", json=config, timeout=60)
     assert created.status_code == 201, created.text
     run_id = created.json()["id"]
-    log = tmp_path / "trainer.log"
     args = ["trainer", str(config_file), "--gateway", url, "--run", run_id]
+    crashing = [sys.executable, "-m", "tests.integration.trainer.crashing_trainer"]
+    resumes_after = 0  # the checkpointed step the next trainer resumes from
     try:
-        crashing = [sys.executable, "-m", "tests.integration.trainer.crashing_trainer"]
-        died = _trainer([*crashing, point, str(CRASH_AT), *args], log)
-        assert died.returncode == -signal.SIGKILL, died.stdout[-3000:]  # it reached `point`
+        for point in POINTS:
+            step = max(resumes_after + 1, CRASH_FROM)  # the first step it trains from 2 on
+            log = tmp_path / f"trainer-{point}.log"
+            died = _trainer([*crashing, point, str(CRASH_FROM), *args], log)
+            # It reached `point` in that step: a point the loop no longer passes leaves it
+            # alive, and it names the step it died in.
+            assert died.returncode == -signal.SIGKILL, died.stdout[-3000:]
+            dying = [line for line in died.stdout.splitlines() if line.startswith(DYING)]
+            assert dying == [f"{DYING} {point} of step {step}"], died.stdout[-3000:]
+            resumes_after = step if point in CHECKPOINTED else step - 1
+        assert resumes_after < STEPS  # a step follows the last crash
+        log = tmp_path / "trainer.log"
         resumed = _trainer([sys.executable, "-m", "trainer.cli", *args], log)
         assert resumed.returncode == 0, resumed.stdout[-3000:]
         metrics = httpx.get(f"{url}/v1/runs/{run_id}/metrics").json()
