@@ -101,6 +101,7 @@ def serve(
     import uvicorn
 
     from agentflow.api.app import create_app
+    from agentflow.api.loop_server import uvicorn_config
     from agentflow.config import get_settings
     from agentflow.db.migrate import ensure_schema_current
     from agentflow.db.session import create_engine
@@ -130,7 +131,7 @@ def serve(
         settings = settings.model_copy(
             update={"public_url": served_url(host, sock.getsockname()[1])}
         )
-    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info")
+    config = uvicorn_config(create_app(settings), host, port, "info")
     uvicorn.Server(config).run(sockets=[sock])
 
 

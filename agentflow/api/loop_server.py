@@ -1,4 +1,5 @@
-"""`LoopServer`: serve an ASGI app inside an event loop that does other work."""
+"""`LoopServer`: serve an ASGI app inside an event loop that does other work; and
+`uvicorn_config`, the uvicorn settings it and `agentflow serve` share."""
 
 from __future__ import annotations
 
@@ -6,8 +7,32 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+
+if TYPE_CHECKING:
+    import uvicorn
+
+# How long an idle keep-alive connection stays open on the server (uvicorn's
+# `timeout_keep_alive`, 5 s unless set). A client's pool reuses an idle connection until
+# its own expiry (httpx: 5 s after the previous response). If the server's timeout is no
+# longer than that, a request sent just as the server's timer fires is lost: the server
+# closes the connection without reading it and logs nothing. The client gets
+# httpx.ReadError when the close resets the request, or RemoteProtocolError when the FIN
+# arrives first (docs/performance.md, "Keep-alive"). If the server's timeout is longer
+# than the clients' expiry, the client always drops an idle connection first. 75 s is
+# above httpx's 5 s, aiohttp's 15 s and the 60 s idle timeout load balancers commonly
+# use; it is also nginx's default keepalive_timeout.
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S
+    )
 
 
 class LoopServer:
@@ -24,7 +49,7 @@ class LoopServer:
             def capture_signals(self) -> Iterator[None]:
                 yield
 
-        self.server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = _Server(uvicorn_config(app, host, port, "warning"))
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> LoopServer:
