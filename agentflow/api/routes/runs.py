@@ -128,8 +128,8 @@ class MetricsRecord(BaseModel):
     step: Int32 | None = Field(
         default=None,
         ge=1,
-        description="the trainer step (an Integer column): replaces the metrics an older version holds for this "
-        "step or a later one (steps done again after the trainer resumed)",
+        description="the trainer step (an Integer column): replaces the metrics an older "
+        "version holds for this step or a later one (steps done again after a resume)",
     )
 
 
