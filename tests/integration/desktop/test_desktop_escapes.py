@@ -1,6 +1,6 @@
 """The sandbox's escape probes, typed into a local desktop's terminal through the env's
 own actions (a click on the terminal, then the command typed on the noVNC canvas), as a
-policy in training would: every one is contained.
+policy in training would: every one is contained, and the episode then ends normally.
 
 The probes (secrets, sockets, devices, other processes, writing outside, filling the
 disk, forking past the process cap) are a Python script the test puts in the desktop's
@@ -98,6 +98,7 @@ attempt("shadow", lambda: read("/etc/shadow"))
 attempt("root_home", lambda: os.listdir("/root"))
 attempt("gateway_listener", lambda: connect_tcp(args["listener_port"]))
 attempt("postgres", lambda: connect_tcp(5432))
+attempt("postgres_socket", lambda: connect_unix("/var/run/postgresql/.s.PGSQL.5432"))
 attempt("host_unix_socket", lambda: connect_unix(args["unix_socket"]))
 attempt("docker_socket", lambda: connect_unix("/var/run/docker.sock"))
 attempt("devices", lambda: sorted(os.listdir("/dev")))
@@ -184,6 +185,7 @@ async def test_escape_probes_typed_into_the_terminal_are_contained(
         # No network but the sandbox's own loopback: the host's listeners are unreachable.
         assert found["gateway_listener"][0] == "ECONNREFUSED"
         assert found["postgres"][0] == "ECONNREFUSED"
+        assert found["postgres_socket"][0] == "ENOENT"
         assert found["host_unix_socket"][0] == "ENOENT"
         assert found["docker_socket"][0] == "ENOENT"
         assert found["network_interfaces"] == ["ok", ["lo"]]
@@ -208,6 +210,11 @@ async def test_escape_probes_typed_into_the_terminal_are_contained(
         echo = await desktop.shell.run("echo alive")
         assert echo.stdout == "alive\n"
         assert provider.exited(desktop) == []
+        # And the episode ends normally: the task done in the same terminal, then DONE.
+        word = TASKS["terminal-echo"].fields(0)["word"]
+        await env.step(act("TYPING", text=f"echo {word} > ~/note.txt\n"), timeout_s=30)
+        done = await env.step(act("DONE"), timeout_s=30)
+        assert done.terminated and done.reward == 1.0 and done.info["passed"]
     finally:
         await env.close()
         await provider.aclose()
