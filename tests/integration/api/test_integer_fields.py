@@ -393,9 +393,14 @@ async def gateway(database_url: str, tmp_path: Path) -> AsyncIterator[Gateway]:
             gateway.stored_run = stored.json()["id"]
             live = {**RUN, "name": "ints-live", "agent": {"max_turns": 2, "max_new_tokens": 4}}
             gateway.live_run = (await http.post("/v1/runs", json=live)).json()["id"]
-            paused = await http.post(f"/v1/runs/{gateway.live_run}/pause")
-            assert paused.status_code == 200, paused.text
-            yield gateway
+            try:
+                paused = await http.post(f"/v1/runs/{gateway.live_run}/pause")
+                assert paused.status_code == 200, paused.text
+                yield gateway
+            finally:
+                # Stopped, not left paused: the next gateway on this database (another
+                # test's) would resume a paused run as a restart does.
+                await http.post(f"/v1/runs/{gateway.live_run}/stop")
 
 
 def _names_the_field(response: httpx.Response, f: IntField) -> bool:
