@@ -188,6 +188,26 @@ def namespace_args(bwrap: str, *, network: bool, hostname: str = "sandbox") -> l
     return [*args, "--dev", "/dev", "--proc", "/proc"]
 
 
+def enter_sandbox(
+    procs_files: Sequence[str], rlimits: Sequence[tuple[int, tuple[int, int]]], drop: bool
+) -> None:
+    """In a forked child before it execs bwrap: join the sandbox's cgroup, set the
+    rlimits, and drop from root to uid/gid 65534 (`drop`)."""
+    # Only async-signal-safe-ish calls: this runs between fork and exec.
+    for path in procs_files:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+    for res, value in rlimits:
+        resource.setrlimit(res, value)
+    if drop:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+
+
 def tmp_args(tmpdir: str | None, size_bytes: int) -> list[str]:
     """``/tmp``: the host-mounted capped tmpfs at `tmpdir`, else bwrap's own of `size_bytes`."""
     if tmpdir is not None:
@@ -418,19 +438,7 @@ class BwrapSandbox:
         drop = self._as_root
 
         def setup() -> None:
-            # Only async-signal-safe-ish calls: this runs between fork and exec.
-            for path in procs_files:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.write(fd, b"0")
-                finally:
-                    os.close(fd)
-            for res, value in rlimits:
-                resource.setrlimit(res, value)
-            if drop:
-                os.setgroups([])
-                os.setresgid(NOBODY, NOBODY, NOBODY)
-                os.setresuid(NOBODY, NOBODY, NOBODY)
+            enter_sandbox(procs_files, rlimits, drop)
 
         return setup
 

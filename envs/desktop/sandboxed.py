@@ -52,7 +52,7 @@ from envs.desktop.processes import (
 )
 from envs.desktop.provider import CommandResult
 from sandbox.base import SandboxFileError
-from sandbox.bwrap import NOBODY, namespace_args, tmp_args
+from sandbox.bwrap import NOBODY, enter_sandbox, namespace_args, tmp_args
 from sandbox.cgroups import SandboxCgroup, create_cgroup
 from sandbox.tmpfs import mount_tmpfs, unmount
 from sandbox.workdir import read_beneath, relative_path, write_beneath
@@ -232,18 +232,7 @@ class SandboxedDesktop:
         die = die_with(os.getpid())
 
         def setup() -> None:
-            for path in procs_files:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.write(fd, b"0")
-                finally:
-                    os.close(fd)
-            for res, value in rlimits:
-                resource.setrlimit(res, value)
-            if drop:
-                os.setgroups([])
-                os.setresgid(NOBODY, NOBODY, NOBODY)
-                os.setresuid(NOBODY, NOBODY, NOBODY)
+            enter_sandbox(procs_files, rlimits, drop)
             die()
 
         return setup
