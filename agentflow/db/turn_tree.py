@@ -23,18 +23,18 @@ import math
 import uuid
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, exists, insert, select, update
+from sqlalchemy import Table, bindparam, exists, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from agentflow.db import blobs, turn_images, turn_rows, turn_sql
 from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
+from agentflow.db.group_commit import GroupCommit
 from agentflow.db.models import Environment, Run
-from agentflow.db.turn_batcher import TurnBatcher
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import (
     FINAL_EPISODE_STATUSES,
@@ -67,7 +67,36 @@ def _check_text(name: str, value: str | None, max_length: int | None) -> None:
         raise InvalidInput(f"{name} must not contain NUL characters", field=name)
 
 
+_END_EPISODE = (
+    update(_episodes)
+    .where(_episodes.c.id == bindparam("episode_id"))
+    .values(
+        status=bindparam("new_status"),
+        reward=bindparam("new_reward"),
+        error=bindparam("new_error"),
+        finished_at=bindparam("new_finished_at"),
+        min_weight_version=bindparam("new_min_version"),
+        max_weight_version=bindparam("new_max_version"),
+    )
+)
 _PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
+
+
+class _WriteAlone(Exception):
+    """A group commit's batch must be written again one item at a time."""
+
+
+@dataclass(frozen=True, slots=True)
+class _EpisodeEnd:
+    """A validated `complete_episode` call, waiting for its group commit."""
+
+    episode_id: uuid.UUID
+    status: EpisodeStatus
+    reward: float | None
+    leaf_turn_ids: Sequence[uuid.UUID] | None
+    leaf_rewards: Mapping[uuid.UUID, float]
+    error: str | None
+    turns: Sequence[NewTurn]
 
 
 class TurnTree:
@@ -88,7 +117,14 @@ class TurnTree:
         self._serialize_writes = bind is not None and bind.dialect.name == "sqlite"
         self._bind: AsyncEngine | None = bind
         self._write_lock = asyncio.Lock()
-        self._batcher = TurnBatcher(self.add_turns)
+        # Group commits: concurrent single writes share one batch (agentflow.db.group_commit).
+        self._turn_writes: GroupCommit[NewTurn, None] = GroupCommit(self._write_turns)
+        self._episode_creates: GroupCommit[dict[str, Any], None] = GroupCommit(
+            self._create_episodes
+        )
+        self._episode_ends: GroupCommit[_EpisodeEnd, list[uuid.UUID]] = GroupCommit(
+            self._end_episodes
+        )
         self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
         self._added: asyncio.Event | None = None  # replaced each time trajectories appear
 
@@ -164,18 +200,26 @@ class TurnTree:
             "status": status,
             "created_at": datetime.now(UTC),
         }
+        await self._episode_creates.add(row)
+        return episode_id
+
+    async def _create_episodes(self, rows: Sequence[dict[str, Any]]) -> list[None]:
+        """One INSERT for a group commit's new episodes; the foreign keys check the runs
+        and envs (a lone episode's failure explained; a batch's is retried one by one)."""
         try:
-            # One INSERT: the foreign keys check the run and env (explained below if not).
             async with self._turn_writer() as writer:
-                await writer.execute(insert(_episodes), [row])
+                await writer.execute(insert(_episodes), list(rows))
         except IntegrityError as exc:
+            if len(rows) > 1:
+                raise
+            row = rows[0]
             async with self._sessions() as session:
-                for table, key in ((_runs, run_id), (_environments, environment_id)):
+                for table, key in ((_runs, row["run_id"]), (_environments, row["environment_id"])):
                     found = select(table.c.id).where(table.c.id == key)
                     if key is not None and await session.scalar(found) is None:
                         raise NotFound(f"{table.name[:-1]} {key} not found") from None
-            raise Conflict(f"episode {episode_id} conflicts with stored data: {exc.orig}") from exc
-        return episode_id
+            raise Conflict(f"episode {row['id']} conflicts with stored data: {exc.orig}") from exc
+        return [None] * len(rows)
 
     async def episode(self, episode_id: uuid.UUID) -> EpisodeInfo:
         async with self._sessions() as session:
@@ -198,12 +242,12 @@ class TurnTree:
     ) -> uuid.UUID:
         """Append `record` under `parent_id` (None: a new root); the new turn's id.
 
-        Concurrent calls are committed together (see `agentflow.db.turn_batcher`); each
+        Concurrent calls are committed together (see `agentflow.db.group_commit`); each
         still gets its own turn's error."""
         turn = NewTurn(
             episode_id=episode_id, parent_id=parent_id, record=record, id=turn_id or uuid.uuid4()
         )
-        await self._batcher.add(turn)
+        await self._turn_writes.add(turn)
         return turn.id
 
     def submit_turn(
@@ -213,7 +257,20 @@ class TurnTree:
         once it is committed. Turns submitted later (its children) are written after it,
         so a loop can go on while the database works and await the futures at the end."""
         turn = NewTurn(episode_id=episode_id, parent_id=parent_id, record=record)
-        return turn.id, self._batcher.submit(turn)
+        return turn.id, self._turn_writes.submit(turn)
+
+    async def _write_turns(self, batch: Sequence[NewTurn]) -> list[None]:
+        await self.add_turns(batch)
+        return [None] * len(batch)
+
+    @property
+    def queued_writes(self) -> dict[str, int]:
+        """Writes waiting for their group commit, by kind (the batches under way not counted)."""
+        return {
+            "turns": self._turn_writes.queued,
+            "episode_creates": self._episode_creates.queued,
+            "episode_ends": self._episode_ends.queued,
+        }
 
     async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
         """Write `batch` (any number of episodes and branches, parents before children)
@@ -411,57 +468,111 @@ class TurnTree:
         if leaf_turn_ids is not None and len(set(leaf_turn_ids)) != len(leaf_turn_ids):
             raise InvalidInput("leaf_turn_ids has repeats", field="leaf_turn_ids")
 
+        return await self._episode_ends.add(
+            _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns)
+        )
+
+    async def _end_episodes(self, ends: Sequence[_EpisodeEnd]) -> list[list[uuid.UUID] | Exception]:
+        """A group commit's episode ends in one transaction: their final turns, a lock on
+        their rows (in id order, so concurrent commits never deadlock), their turns read
+        in one query, one executemany setting each end, one INSERT of the trajectories.
+        An episode already finished (or missing, or whose leaves are not its own) fails
+        alone; the others are written."""
+        results: list[list[uuid.UUID] | Exception] = [[] for _ in ends]
+        made: list[dict[str, Any]] = []
+        final = [t for end in ends for t in end.turns]
         try:
             async with self._write() as session:
-                if turns:
-                    await turn_sql.insert_turns(session, turns, blob_store=self.blob_store)
-                now = datetime.now(UTC)
-                # The status guard makes this UPDATE the claim: a second completion matches
-                # no row (on PostgreSQL it waits for the first and then re-reads the row).
-                claimed = (
-                    await session.execute(
-                        update(_episodes)
-                        .where(_episodes.c.id == episode_id)
-                        .where(_episodes.c.status.in_(OPEN_EPISODE_STATUSES))
-                        .values(status=status, reward=reward, error=error, finished_at=now)
-                        .returning(_episodes.c.run_id)
+                if final:
+                    await turn_sql.insert_turns(session, final, blob_store=self.blob_store)
+                conn = await session.connection()
+                ids = sorted({end.episode_id for end in ends})
+                found: dict[uuid.UUID, Any] = {}
+                trees: dict[uuid.UUID, list[Any]] = defaultdict(list)
+                for chunk in turn_sql.chunks(ids):
+                    # The lock is the claim: a turn inserted meanwhile waits for this commit,
+                    # then finds its episode finished (trigger), so the tree read is whole.
+                    locked = await conn.execute(
+                        select(_episodes.c.id, _episodes.c.run_id, _episodes.c.status)
+                        .where(_episodes.c.id.in_(chunk))
+                        .order_by(_episodes.c.id)
+                        .with_for_update()
                     )
-                ).one_or_none()
-                if claimed is None:
-                    episode = await self._require_episode(session, episode_id)
-                    raise Conflict(f"episode {episode_id} is already {episode.status}")
-                tree = (
-                    await session.execute(
-                        select(_turns.c.id, _turns.c.parent_id, _turns.c.weight_versions)
-                        .where(_turns.c.episode_id == episode_id)
+                    found.update({row.id: row for row in locked})
+                open_ids = [i for i, row in found.items() if row.status in OPEN_EPISODE_STATUSES]
+                for chunk in turn_sql.chunks(open_ids):
+                    tree_rows = await conn.execute(
+                        select(
+                            _turns.c.episode_id,
+                            _turns.c.id,
+                            _turns.c.parent_id,
+                            _turns.c.weight_versions,
+                        )
+                        .where(_turns.c.episode_id.in_(chunk))
                         .order_by(_turns.c.depth, _turns.c.created_at, _turns.c.id)
                     )
-                ).all()
-                versions = turn_rows.version_range(row.weight_versions for row in tree)
-                if versions is not None:
-                    await session.execute(
-                        update(_episodes)
-                        .where(_episodes.c.id == episode_id)
-                        .values(min_weight_version=versions[0], max_weight_version=versions[1])
+                    for row in tree_rows:
+                        trees[row.episode_id].append(row)
+                now = datetime.now(UTC)
+                status_now = {i: row.status for i, row in found.items()}
+                updates: list[dict[str, Any]] = []
+                for index, end in enumerate(ends):
+                    status = status_now.get(end.episode_id)
+                    if status is None:
+                        results[index] = NotFound(f"episode {end.episode_id} not found")
+                        continue
+                    if status not in OPEN_EPISODE_STATUSES:
+                        results[index] = Conflict(f"episode {end.episode_id} is already {status}")
+                        continue
+                    tree = trees[end.episode_id]
+                    rows: list[dict[str, Any]] = []
+                    if end.status in TRAINABLE_EPISODE_STATUSES:
+                        try:
+                            rows = turn_rows.trajectory_rows(
+                                tree,
+                                episode_id=end.episode_id,
+                                run_id=found[end.episode_id].run_id,
+                                leaf_turn_ids=end.leaf_turn_ids,
+                                leaf_rewards=end.leaf_rewards,
+                                reward=end.reward,
+                                created_at=now,
+                            )
+                        except InvalidInput as exc:
+                            results[index] = exc
+                            continue
+                    versions = turn_rows.version_range(row.weight_versions for row in tree)
+                    status_now[end.episode_id] = end.status
+                    updates.append(
+                        {
+                            "episode_id": end.episode_id,
+                            "new_status": end.status,
+                            "new_reward": end.reward,
+                            "new_error": end.error,
+                            "new_finished_at": now,
+                            "new_min_version": None if versions is None else versions[0],
+                            "new_max_version": None if versions is None else versions[1],
+                        }
                     )
-                if status not in TRAINABLE_EPISODE_STATUSES:
-                    return []
-                rows = turn_rows.trajectory_rows(
-                    tree,
-                    episode_id=episode_id,
-                    run_id=claimed.run_id,
-                    leaf_turn_ids=leaf_turn_ids,
-                    leaf_rewards=rewards,
-                    reward=reward,
-                    created_at=now,
-                )
-                if rows:  # an empty parameter list would insert one row of defaults
-                    await session.execute(insert(_trajectories), rows)
+                    made.extend(rows)
+                    results[index] = [row["id"] for row in rows]
+                undone = [
+                    result
+                    for end, result in zip(ends, results, strict=True)
+                    if end.turns and isinstance(result, Exception)
+                ]
+                if undone:  # a failed end writes none of its final turns: roll them back
+                    raise undone[0] if len(ends) == 1 else _WriteAlone()
+                if updates:
+                    await conn.execute(_END_EPISODE, updates)
+                if made:  # an empty parameter list would insert one row of defaults
+                    await conn.execute(insert(_trajectories), made)
         except IntegrityError as exc:
-            raise await turn_sql.explain_insert_failure(self._sessions, turns, exc) from exc
-        if rows:
+            if len(ends) > 1:
+                raise  # written again one by one, each with its own explanation
+            raise await turn_sql.explain_insert_failure(self._sessions, final, exc) from exc
+        if made:
             self._announce()
-        return [row["id"] for row in rows]
+        return results
 
     async def trajectories(self, trajectory_ids: Sequence[uuid.UUID]) -> list[TrajectoryView]:
         """Trajectories with their full tokens, in the order asked."""

@@ -184,6 +184,58 @@ async def test_a_failed_completion_changes_nothing(turn_tree: TurnTree) -> None:
         await turn_tree.complete_episode(uuid.uuid4(), "completed", 1.0)
 
 
+async def test_concurrent_ends_share_a_commit_and_each_keeps_its_own_error(
+    turn_tree: TurnTree,
+) -> None:
+    """Ends that queue together are one group commit: the good ones are written with
+    their versions and trajectories; an episode finished already, a missing one, an
+    empty one and one naming a stranger's leaf each fail alone, and the last one's final
+    turn is not written."""
+    good, roots = [], {}
+    for version in range(7):
+        episode = await turn_tree.create_episode()
+        roots[episode] = await turn_tree.add_turn(episode, None, prompt())
+        await turn_tree.add_turn(episode, roots[episode], answer(version))
+        good.append(episode)
+    finished = good.pop()
+    await turn_tree.complete_episode(finished, "completed", 0.0)
+    empty = await turn_tree.create_episode()
+    wrong, neighbour = good.pop(), good.pop()
+    final = NewTurn(episode_id=wrong, parent_id=roots[wrong], record=observation())
+    calls = [
+        *(turn_tree.complete_episode(e, "completed", float(i)) for i, e in enumerate(good)),
+        turn_tree.complete_episode(finished, "completed", 1.0),
+        turn_tree.complete_episode(uuid.uuid4(), "failed"),
+        turn_tree.complete_episode(empty, "completed", 1.0),
+    ]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert [type(r).__name__ for r in results] == ["list"] * len(good) + [
+        "Conflict",
+        "NotFound",
+        "InvalidInput",
+    ]
+    # A failed end with final turns rolls its batch back; the batch is written again one
+    # end at a time, so its neighbour still ends.
+    last = await asyncio.gather(
+        turn_tree.complete_episode(
+            wrong, "completed", 1.0, leaf_turn_ids=[roots[good[0]]], turns=[final]
+        ),
+        turn_tree.complete_episode(neighbour, "completed", 5.0),
+        return_exceptions=True,
+    )
+    assert isinstance(last[0], InvalidInput) and isinstance(last[1], list)
+    assert (await turn_tree.episode(neighbour)).status == "completed"
+    for index, episode in enumerate(good):
+        tree = await turn_tree.episode_tree(episode)
+        assert tree.status == "completed" and tree.reward == float(index)
+        assert tree.min_weight_version == tree.max_weight_version == index
+        assert [t.id for t in tree.trajectories] == results[index]
+    assert (await turn_tree.episode(finished)).reward == 0.0
+    assert (await turn_tree.episode(empty)).status == "running"
+    wrong_tree = await turn_tree.episode_tree(wrong)
+    assert wrong_tree.status == "running" and len(wrong_tree.roots[0].children) == 1
+
+
 async def test_racing_completions_make_one_set_of_trajectories(turn_tree: TurnTree) -> None:
     episode = await turn_tree.create_episode()
     root = await turn_tree.add_turn(episode, None, prompt())

@@ -1,4 +1,4 @@
-"""Group commit: concurrent single turns share batches, and each keeps its own error."""
+"""Group commit: concurrent single writes share batches, and each keeps its own error."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from agentflow.db.turn_batcher import TurnBatcher
+from agentflow.db.group_commit import GroupCommit
 from agentflow.errors import InvalidInput
 from agentflow.types import NewTurn, TurnRecord
 
@@ -27,24 +27,25 @@ class FakeStore:
         self.written: list[uuid.UUID] = []
         self.delay = delay
 
-    async def write(self, batch: Sequence[NewTurn]) -> None:
+    async def write(self, batch: Sequence[NewTurn]) -> list[None]:
         self.batches.append([t.id for t in batch])
         await asyncio.sleep(self.delay)
         if any(13 in t.record.token_ids for t in batch):
             raise InvalidInput("unlucky token")
         self.written.extend(t.id for t in batch)
+        return [None] * len(batch)
 
 
 async def test_a_lone_turn_is_written_at_once() -> None:
     store = FakeStore()
     one = turn()
-    await TurnBatcher(store.write).add(one)
+    await GroupCommit(store.write).add(one)
     assert store.batches == [[one.id]] and store.written == [one.id]
 
 
 async def test_concurrent_turns_share_transactions_in_arrival_order() -> None:
     store = FakeStore()
-    batcher = TurnBatcher(store.write)
+    batcher = GroupCommit(store.write)
     turns = [turn() for _ in range(20)]
     await asyncio.gather(*(batcher.add(t) for t in turns))
     assert store.written == [t.id for t in turns]
@@ -53,14 +54,14 @@ async def test_concurrent_turns_share_transactions_in_arrival_order() -> None:
 
 async def test_batches_never_exceed_the_cap() -> None:
     store = FakeStore()
-    batcher = TurnBatcher(store.write, max_batch=4)
+    batcher = GroupCommit(store.write, max_batch=4)
     await asyncio.gather(*(batcher.add(turn()) for _ in range(10)))
     assert [len(b) for b in store.batches] == [4, 4, 2]
 
 
 async def test_only_the_bad_turn_fails() -> None:
     store = FakeStore()
-    batcher = TurnBatcher(store.write)
+    batcher = GroupCommit(store.write)
     good = [turn() for _ in range(5)]
     bad = turn((13,))
     results = await asyncio.gather(
@@ -74,7 +75,7 @@ async def test_only_the_bad_turn_fails() -> None:
 
 async def test_a_cancelled_caller_does_not_break_the_others() -> None:
     store = FakeStore(delay=0.05)
-    batcher = TurnBatcher(store.write)
+    batcher = GroupCommit(store.write)
     first = asyncio.create_task(batcher.add(turn()))
     await asyncio.sleep(0)
     waiting = [asyncio.create_task(batcher.add(turn())) for _ in range(3)]
@@ -84,3 +85,16 @@ async def test_a_cancelled_caller_does_not_break_the_others() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting[0]
     assert len(store.written) == 4  # queued before the cancel: still written
+
+
+async def test_an_item_failed_by_the_batch_write_fails_alone() -> None:
+    async def write(batch: Sequence[int]) -> list[int | Exception]:
+        calls.append(list(batch))
+        return [InvalidInput(f"odd {n}") if n % 2 else n * 10 for n in batch]
+
+    calls: list[list[int]] = []
+    commit: GroupCommit[int, int] = GroupCommit(write)
+    results = await asyncio.gather(*(commit.add(n) for n in range(4)), return_exceptions=True)
+    assert results[0] == 0 and results[2] == 20
+    assert isinstance(results[1], InvalidInput) and str(results[3]) == "odd 3"
+    assert calls == [[0, 1, 2, 3]]  # one batch: a per-item error is not a failed write
