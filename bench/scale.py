@@ -195,6 +195,7 @@ class LevelResult:
     teardown_s: float = 0.0
     logged: dict[str, int] = field(default_factory=dict)  # warnings and errors, by message
     statements: Counter[str] = field(default_factory=Counter)  # SQL sent in the window
+    statement_s: Counter[str] = field(default_factory=Counter)  # ... their wall seconds
 
     @property
     def turns_per_s(self) -> float:
@@ -337,16 +338,25 @@ class StatementTally:
     def __init__(self, db: AsyncEngine) -> None:
         self.db = db
         self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # wall time from send to answer, by kind
 
     def __enter__(self) -> StatementTally:
         event.listen(self.db.sync_engine, "before_cursor_execute", self._seen)
+        event.listen(self.db.sync_engine, "after_cursor_execute", self._answered)
         return self
 
     def __exit__(self, *exc: object) -> None:
         event.remove(self.db.sync_engine, "before_cursor_execute", self._seen)
+        event.remove(self.db.sync_engine, "after_cursor_execute", self._answered)
 
     def _seen(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         self.counts[statement_kind(statement)] += 1
+        conn.info["bench_sent"] = time.perf_counter()
+
+    def _answered(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent = conn.info.pop("bench_sent", None)
+        if sent is not None:
+            self.seconds[statement_kind(statement)] += time.perf_counter() - sent
 
 
 class LogTally(logging.Handler):
@@ -621,6 +631,7 @@ async def run_level(
         teardown_s=teardown_s,
         logged=dict(tally.counts),
         statements=sql.counts,
+        statement_s=sql.seconds,
     )
 
 
@@ -711,8 +722,11 @@ def report(results: Sequence[LevelResult]) -> list[str]:
             f"modeled turn {r.ideal_turn_s:.2f} s; warm-up {r.warmup_s:.0f} s; "
             f"stop took {r.teardown_s:.1f} s; logged {r.logged or 'nothing'}"
         )
-        top = ", ".join(f"{k} {v / max(1, r.played):.2f}" for k, v in r.statements.most_common(8))
-        lines.append(f"{r.level:,}: SQL statements per turn: {top}")
+        top = ", ".join(
+            f"{k} {v / r.window_s:.1f}/s {1000 * r.statement_s[k] / v:.1f} ms"
+            for k, v in r.statements.most_common(8)
+        )
+        lines.append(f"{r.level:,}: SQL statements (per second, mean wall time): {top}")
     return lines
 
 

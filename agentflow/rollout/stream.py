@@ -35,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, cast
 
 import orjson
-from sqlalchemy import Table, and_, case, func, or_, select, update
+from sqlalchemy import Table, case, func, or_, select, update
 
 from agentflow.db.models import Episode, Run
 from agentflow.db.models import Trajectory as TrajectoryRow
@@ -139,7 +139,6 @@ class DbTrajectoryStream:
 
     async def _lease(self, max_n: int, lease_id: str, *, resendable: bool) -> list[Trajectory]:
         now = datetime.now(UTC)
-        dropped_groups = 0
         if resendable:
             async with self.turns.write_transaction() as session:
                 held = await self._renew(session, lease_id, now)
@@ -149,41 +148,16 @@ class DbTrajectoryStream:
                     )
             if held:
                 return await self._serve(held, lease_id, version or 0)
-        async with self.turns.write_transaction() as session:
-            expired = await session.execute(
-                update(_trajectories)
-                .where(_trajectories.c.run_id == self.run_id)
-                .where(_trajectories.c.status == "leased")
-                .where(_trajectories.c.lease_until < now)
-                .values(status="ready", lease_until=None)
-            )
-            self.counters.expired_leases += _rowcount(expired)
-            version = await session.scalar(
-                select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
-            )
-            if version is None:
-                raise NotFound(f"run {self.run_id} not found")
-            bound = None if self.max_staleness is None else version - self.max_staleness
-            if bound is not None and self.stale_policy == "drop":
-                dropped_groups = await self._drop_stale(session, bound)
-            fresh = await self._candidates(session, fresh=True, bound=bound)
-            chosen = _whole_groups(fresh, max_n)
-            n_fresh = len(chosen)
-            if len(chosen) < max_n and self.max_reuse > 1:
-                replay = await self._candidates(session, fresh=False, bound=bound)
-                chosen += _whole_groups(replay, max_n - len(chosen))
-            if chosen:
-                ids = [row.id for row in chosen]
-                for start in range(0, len(ids), 500):
-                    await session.execute(
-                        update(_trajectories)
-                        .where(_trajectories.c.id.in_(ids[start : start + 500]))
-                        .values(
-                            status="leased",
-                            lease_id=lease_id,
-                            lease_until=now + timedelta(seconds=self.lease_s),
-                        )
-                    )
+        for attempt in range(_LEASE_ATTEMPTS):
+            try:
+                taking = await self._take(max_n, lease_id, now)
+                break
+            except _LeaseRace:  # another leaser took some of the rows first: look again
+                if attempt == _LEASE_ATTEMPTS - 1:
+                    return []  # the caller's next poll looks again
+        chosen, n_fresh, version, expired, dropped, dropped_groups = taking
+        self.counters.expired_leases += expired
+        self.counters.dropped_stale += dropped
         # Groups taken for the first time (an expired or reclaimed lease keeps its id).
         taken = {row.group_id or row.id for row in chosen[:n_fresh] if row.lease_id is None}
         if self.gate is not None:
@@ -197,6 +171,57 @@ class DbTrajectoryStream:
         self.counters.served_fresh += n_fresh
         self.counters.served_replay += len(chosen) - n_fresh
         return served
+
+    async def _take(
+        self, max_n: int, lease_id: str, now: datetime
+    ) -> tuple[list[Any], int, int, int, int, int]:
+        """One lease transaction: expired leases back to ready, stale ones dropped, whole
+        groups chosen and leased. Only the chosen rows are locked, by the UPDATE that
+        leases them; one that another leaser took meanwhile is missing from its count,
+        and the transaction is rolled back (`_LeaseRace`) rather than split a group.
+        Returns the chosen rows, how many are fresh, the run's version, and the expired,
+        dropped and wiped-out-group counts."""
+        dropped = dropped_groups = 0
+        async with self.turns.write_transaction() as session:
+            expired = await session.execute(
+                update(_trajectories)
+                .where(_trajectories.c.run_id == self.run_id)
+                .where(_trajectories.c.status == "leased")
+                .where(_trajectories.c.lease_until < now)
+                .values(status="ready", lease_until=None)
+            )
+            version = await session.scalar(
+                select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
+            )
+            if version is None:
+                raise NotFound(f"run {self.run_id} not found")
+            bound = None if self.max_staleness is None else version - self.max_staleness
+            if bound is not None and self.stale_policy == "drop":
+                dropped, dropped_groups = await self._drop_stale(session, bound)
+            fresh = await self._candidates(session, fresh=True, bound=bound)
+            chosen = _whole_groups(fresh, max_n)
+            n_fresh = len(chosen)
+            if len(chosen) < max_n and self.max_reuse > 1:
+                replay = await self._candidates(session, fresh=False, bound=bound)
+                chosen += _whole_groups(replay, max_n - len(chosen))
+            ids = [row.id for row in chosen]
+            leased = 0
+            for start in range(0, len(ids), 500):
+                leased += _rowcount(
+                    await session.execute(
+                        update(_trajectories)
+                        .where(_trajectories.c.id.in_(ids[start : start + 500]))
+                        .where(_trajectories.c.status == "ready")
+                        .values(
+                            status="leased",
+                            lease_id=lease_id,
+                            lease_until=now + timedelta(seconds=self.lease_s),
+                        )
+                    )
+                )
+            if leased != len(ids):
+                raise _LeaseRace
+        return chosen, n_fresh, version, _rowcount(expired), dropped, dropped_groups
 
     async def _renew(self, session: Any, lease_id: str, now: datetime) -> list[uuid.UUID]:
         """The ids still leased under `lease_id`, their lease renewed."""
@@ -237,8 +262,9 @@ class DbTrajectoryStream:
             served.append(dataclasses.replace(view, lease_id=lease_id, loss_weight=weight))
         return served
 
-    async def _drop_stale(self, session: Any, bound: int) -> int:
-        """Mark servable trajectories past the bound `stale`; returns groups wiped out."""
+    async def _drop_stale(self, session: Any, bound: int) -> tuple[int, int]:
+        """Mark servable trajectories past the bound `stale`; returns how many, and the
+        groups wiped out."""
         stale = (
             await session.execute(
                 select(_trajectories.c.id, _episodes.c.group_id)
@@ -250,7 +276,7 @@ class DbTrajectoryStream:
             )
         ).all()
         if not stale:
-            return 0
+            return 0, 0
         ids = [row.id for row in stale]
         for start in range(0, len(ids), 500):
             await session.execute(
@@ -258,7 +284,6 @@ class DbTrajectoryStream:
                 .where(_trajectories.c.id.in_(ids[start : start + 500]))
                 .values(status="stale")
             )
-        self.counters.dropped_stale += len(ids)
         groups = {row.group_id for row in stale if row.group_id is not None}
         wiped = 0
         for group in groups:  # a group with nothing left to train on is refunded
@@ -271,24 +296,13 @@ class DbTrajectoryStream:
                 .where(_trajectories.c.status.in_(("ready", "leased", "consumed")))
             )
             wiped += not left
-        return wiped
+        return len(ids), wiped
 
     async def _candidates(self, session: Any, *, fresh: bool, bound: int | None) -> list[Any]:
-        peer = _episodes.alias("peer")
-        group_open = (
-            select(peer.c.id)
-            .where(peer.c.group_id == _episodes.c.group_id)
-            .where(peer.c.status.in_(OPEN_EPISODE_STATUSES))
-            .exists()
-        )
-        group_count = (
-            select(func.count()).select_from(peer).where(peer.c.group_id == _episodes.c.group_id)
-        ).scalar_subquery()
-        complete = or_(
-            _episodes.c.group_id.is_(None),
-            and_(~group_open, group_count >= self.group_size),
-        )
-        query = (
+        """Servable rows of whole groups, in serving order. A group is whole when none of
+        its episodes is open and it has `group_size` of them: checked once per group with
+        ready rows (one aggregate), not once per row."""
+        ready = (
             select(
                 _trajectories.c.id,
                 _episodes.c.group_id,
@@ -299,27 +313,32 @@ class DbTrajectoryStream:
             .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
             .where(_trajectories.c.run_id == self.run_id)
             .where(_trajectories.c.status == "ready")
-            .where(complete)
         )
         if fresh:
-            query = query.where(_trajectories.c.times_served == 0).order_by(
-                _trajectories.c.created_at, _trajectories.c.id
-            )
+            ready = ready.where(_trajectories.c.times_served == 0)
         else:
-            query = query.where(_trajectories.c.times_served.between(1, self.max_reuse - 1))
+            ready = ready.where(_trajectories.c.times_served.between(1, self.max_reuse - 1))
             if bound is not None:  # replays only inside the bound, whatever the policy
-                query = query.where(
+                ready = ready.where(
                     or_(
                         _trajectories.c.min_weight_version.is_(None),
                         _trajectories.c.min_weight_version >= bound,
                     )
                 )
-            # The least replayed first, then the most recent (closest to the policy).
-            query = query.order_by(
-                _trajectories.c.times_served, _trajectories.c.created_at.desc(), _trajectories.c.id
-            )
-        if session.bind.dialect.name == "postgresql":
-            query = query.with_for_update(of=_trajectories, skip_locked=True)
+        rows = ready.cte("ready_rows")
+        peer = _episodes.alias("peer")
+        whole = (
+            select(peer.c.group_id)
+            .where(peer.c.group_id.in_(select(rows.c.group_id).where(rows.c.group_id.is_not(None))))
+            .group_by(peer.c.group_id)
+            .having(func.count() >= self.group_size)
+            .having(func.sum(case((peer.c.status.in_(OPEN_EPISODE_STATUSES), 1), else_=0)) == 0)
+        )
+        query = select(rows).where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
+        if fresh:
+            query = query.order_by(rows.c.created_at, rows.c.id)
+        else:  # the least replayed first, then the most recent (closest to the policy)
+            query = query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
         return list((await session.execute(query)).all())
 
     async def reclaim(self) -> int:
@@ -383,6 +402,13 @@ class DbTrajectoryStream:
                 query = query.where(_trajectories.c.lease_id == lease_id)
             if _rowcount(await session.execute(query)):
                 self.counters.rejected += 1
+
+
+_LEASE_ATTEMPTS = 5
+
+
+class _LeaseRace(Exception):
+    """Another leaser took rows this lease chose; its transaction is rolled back."""
 
 
 def _whole_groups(rows: list[Any], max_n: int) -> list[Any]:

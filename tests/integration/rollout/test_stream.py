@@ -189,3 +189,24 @@ async def test_pull_waits_for_a_group_to_finish(turn_tree: TurnTree) -> None:
     assert len(await asyncio.wait_for(puller, 5)) == 1
     with pytest.raises(InvalidInput):
         await stream.pull(0)
+
+
+async def test_concurrent_leasers_never_share_or_split_a_group(turn_tree: TurnTree) -> None:
+    """Leasing locks only the rows it takes: leasers racing over the same groups each get
+    whole groups, and no trajectory goes to two of them."""
+    run = await make_run(turn_tree)
+    groups = [await finished_group(turn_tree, run, 2) for _ in range(12)]
+    streams = [_stream(turn_tree, run) for _ in range(4)]
+
+    async def drain(stream: DbTrajectoryStream) -> list[Any]:
+        got: list[Any] = []
+        while batch := await stream.pull(4):
+            got += batch
+        return got
+
+    served = await asyncio.gather(*(drain(s) for s in streams))
+    ids = [t.id for batch in served for t in batch]
+    assert len(ids) == len(set(ids)) == 2 * len(groups)
+    for batch in served:
+        per_group = Counter(t.group_id for t in batch)
+        assert all(n == 2 for n in per_group.values())
