@@ -76,9 +76,9 @@ class SampledActions:
     async def reply(self, state: EpisodeState) -> Reply:
         runtime = self.runtime
         sampling = runtime.sampling
-        params = sampling.model_copy(
-            update={"max_new_tokens": max(1, min(sampling.max_new_tokens, state.room))}
-        )
+        params = sampling
+        if state.room < sampling.max_new_tokens:  # a copy only when the budget shortens it
+            params = sampling.model_copy(update={"max_new_tokens": max(1, state.room)})
         started = time.perf_counter()
         for attempt in range(self.resends_on_lost_engine + 1):
             if self.parked:  # KV released while the env worked: recompute from the record
@@ -123,22 +123,25 @@ class SampledActions:
             yield wait
             return
         parked_at: list[float] = []
+        parking: list[asyncio.Task[None]] = []
 
-        async def park_later() -> None:
-            await asyncio.sleep(self.park_after_s or 0.0)
+        def park() -> None:
             parked_at.append(time.perf_counter())
             if self.metrics is not None:
                 self.metrics.parked_sessions.inc()
-            await self._park()
+            parking.append(asyncio.create_task(self._park()))
 
-        parker = asyncio.create_task(park_later())
+        # A timer, not a task per wait: most env steps end long before it fires.
+        timer = asyncio.get_running_loop().call_later(self.park_after_s, park)
         try:
             yield wait
         finally:
             ended = time.perf_counter()
-            parker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await parker
+            timer.cancel()
+            for task in parking:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if parked_at:
                 wait.parked_s = ended - parked_at[0]
                 if self.metrics is not None:
