@@ -68,6 +68,7 @@ import random
 import re
 import sys
 import time
+import tracemalloc
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -123,6 +124,7 @@ class Workload:
     max_turns: int = 6
     env_latency_s: float = 0.05  # median of the lognormal step latency
     env_sigma: float = 0.5
+    env_latency_max_s: float = 2.0
     group_size: int = 8
     batch_fraction: float = 0.5  # trainer batch, as a fraction of the level (in episodes)
     max_batch: int = 1024  # ... and at most this many episodes
@@ -148,6 +150,7 @@ class Workload:
             "max_turns": self.max_turns,
             "latency_median_s": self.env_latency_s,
             "latency_sigma": self.env_sigma,
+            "latency_max_s": self.env_latency_max_s,
         }
         return RunConfig(
             name=f"scale-{level}",
@@ -473,19 +476,20 @@ async def _written(
 # ---- one level ------------------------------------------------------------------------------
 
 
-async def run_level(
-    level: int,
-    workload: Workload,
-    url: str,
-    *,
-    warmup_s: float,
-    seconds: float,
-    max_warmup_s: float = 150.0,
-    profile: cProfile.Profile | None = None,
-    progress: Callable[[str], None] = lambda line: None,
-) -> LevelResult:
-    """Run the controller at `level` concurrent episodes; measure `seconds` after a
-    warm-up of `warmup_s` to `max_warmup_s` (see the module docstring)."""
+@dataclass
+class Controller:
+    """The controller of one level, built as `RunManager` builds a run's."""
+
+    db: AsyncEngine
+    turns: TurnTree
+    config: RunConfig
+    executor: RunExecutor
+    pool: EnginePool
+    engines: list[SimEngine]
+    runtime: PolicyRuntime
+
+
+async def build_controller(level: int, workload: Workload, url: str) -> Controller:
     db = create_engine(url)
     sessions = session_factory(db)
     turns = TurnTree(sessions)
@@ -532,6 +536,32 @@ async def run_level(
         gateway_url="",
         secret_key="bench-scale-secret",
     )
+    return Controller(db, turns, config, executor, pool, engines, runtime)
+
+
+async def run_level(
+    level: int,
+    workload: Workload,
+    url: str,
+    *,
+    warmup_s: float,
+    seconds: float,
+    max_warmup_s: float = 150.0,
+    profile: cProfile.Profile | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> LevelResult:
+    """Run the controller at `level` concurrent episodes; measure `seconds` after a
+    warm-up of `warmup_s` to `max_warmup_s` (see the module docstring)."""
+    c = await build_controller(level, workload, url)
+    db, turns, executor, pool, engines, runtime = (
+        c.db,
+        c.turns,
+        c.executor,
+        c.pool,
+        c.engines,
+        c.runtime,
+    )
+    config = c.config
     stream = executor.trajectory_stream()
     trained: list[_Trained] = []
     published: list[float] = []
@@ -589,7 +619,7 @@ async def run_level(
         teardown_s = time.perf_counter() - stopping
         await pool.close()
         logging.getLogger("agentflow").removeHandler(tally)
-    rows, finished, created, episode_s = await _written(turns, run_id, start_at, end_at)
+    rows, finished, created, episode_s = await _written(turns, executor.run_id, start_at, end_at)
     await db.dispose()
 
     wall = end - start
@@ -633,6 +663,73 @@ async def run_level(
         statements=sql.counts,
         statement_s=sql.seconds,
     )
+
+
+# ---- memory per live episode ----------------------------------------------------------------
+
+
+@dataclass
+class HeldMemory:
+    level: int
+    waiting: str  # "env" (sessions parked) or "engine" (requests in the engine)
+    live: int
+    parked: int  # sessions parked, of the live episodes
+    python_bytes: int  # Python heap held by the live episodes (tracemalloc)
+    rss_bytes: int  # the process's resident memory grew by this much meanwhile
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def held_memory(
+    level: int, workload: Workload, url: str, *, waiting: str, settle_s: float = 60.0
+) -> HeldMemory:
+    """What `level` live episodes hold while every one of them waits: on its env
+    (`waiting="env"`: steps that never end in the window, so each session is parked after
+    `park_after_s`) or on its engine (a prefill that never ends). Measured as the Python
+    heap (tracemalloc) and the resident memory added from before the run starts to when
+    all `level` episodes wait, after a full collection."""
+    if waiting == "env":
+        workload = dataclasses.replace(
+            workload, env_latency_s=3600.0, env_sigma=0.01, env_latency_max_s=3600.0
+        )
+    else:
+        engine = dataclasses.replace(workload.engine, prefill_s=3600.0)
+        workload = dataclasses.replace(workload, engine=engine)
+    c = await build_controller(level, workload, url)
+    park_s = c.config.rollout.park_after_s or 0.0
+    gc.collect()
+    tracemalloc.start()
+    heap0, rss0 = tracemalloc.get_traced_memory()[0], _rss_bytes()
+    await c.executor.start()
+    try:
+        began = time.perf_counter()
+
+        # Episodes waiting on the env have played one turn; those waiting on the engine
+        # have sent their first request. Then (env) their sessions park.
+        def settled() -> bool:
+            if live_episodes(c.executor) < level:
+                return False
+            if waiting == "engine":
+                return sum(e.in_flight for e in c.engines) == level
+            # Every first reply answered, every session parked.
+            answered = sum(e.stats.requests for e in c.engines)
+            return answered >= level and sum(e.sessions for e in c.engines) == 0
+
+        while time.perf_counter() - began < settle_s + park_s and not settled():
+            await asyncio.sleep(0.2)
+        gc.collect()
+        heap1, rss1 = tracemalloc.get_traced_memory()[0], _rss_bytes()
+        live = live_episodes(c.executor)
+        parked = level - sum(e.sessions for e in c.engines)
+    finally:
+        tracemalloc.stop()
+        await c.executor.stop("benchmark over")
+        await c.pool.close()
+        await c.db.dispose()
+    return HeldMemory(level, waiting, live, max(0, parked), heap1 - heap0, rss1 - rss0)
 
 
 # ---- reporting --------------------------------------------------------------------------------
@@ -803,6 +900,32 @@ def database(url: str | None) -> Iterator[str]:
     yield url
 
 
+def on_loop(kind: str, coro: Any) -> Any:
+    """Run `coro` on a fresh event loop of `kind` (`asyncio` or `uvloop`)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if kind == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def memory_lines(held: Sequence[HeldMemory]) -> list[str]:
+    lines = [
+        "| episodes | waiting on | live | sessions parked | Python heap per episode "
+        "| resident memory per episode |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in held:
+        lines.append(
+            f"| {h.level:,} | {h.waiting} | {h.live:,} | {h.parked:,} "
+            f"| {h.python_bytes / max(1, h.live) / 1024:.1f} KiB "
+            f"| {h.rss_bytes / max(1, h.live) / 1024:.1f} KiB |"
+        )
+    return lines
+
+
 def run(
     level: int,
     workload: Workload,
@@ -860,6 +983,11 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=float, default=15.0)
     parser.add_argument("--profile-out", default=None, help="also dump the pstats here")
     parser.add_argument("--skip-levels", action="store_true", help="only the profile")
+    parser.add_argument(
+        "--memory",
+        default="",
+        help="levels at which to measure the memory a live episode holds (e.g. 1000,10000)",
+    )
     parser.add_argument(
         "--gc-threshold",
         default=Settings().gc_threshold,
@@ -926,6 +1054,20 @@ def main() -> None:
         )
         print("\n".join(report(results)))
         print("\n" + verdict(results))
+    if args.memory:
+        held = []
+        for level in (int(x) for x in args.memory.split(",") if x.strip()):
+            for waiting in ("env", "engine"):
+                with database(args.database_url) as url:
+                    held.append(
+                        on_loop(args.loop, held_memory(level, workload, url, waiting=waiting))
+                    )
+                say(f"memory at {level}: {waiting} measured")
+        print(
+            "\nmemory held by live episodes (each waiting on its env with its session "
+            "parked, or on its engine), from before the run starts:\n"
+        )
+        print("\n".join(memory_lines(held)))
     if args.profile:
         level = args.profile_level or max(levels)
         # CPU time, not wall time: the idle loop's waits are not anyone's cost.

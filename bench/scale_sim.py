@@ -295,6 +295,16 @@ class SimEngine:
     async def accepts_images(self) -> bool:
         return False
 
+    @property
+    def in_flight(self) -> int:
+        """Requests decoding or waiting for a slot."""
+        return len(self._running) + len(self._waiting)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions open (a parked episode holds none)."""
+        return len(self._sessions)
+
     async def info(self) -> EngineInfo:
         return EngineInfo(
             model="sim",
