@@ -25,7 +25,9 @@ API can serialize them directly and they are safe to share between tasks.
 
 from __future__ import annotations
 
+import array
 import math
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,29 +62,47 @@ _MAX_FINISH_REASON = 16  # the column width
 
 # Python floats at or past this round to infinity as float32, the stored width.
 _FLOAT32_OVERFLOW = 3.4028235677973366e38
+_HALF_FLOAT32_OVERFLOW = _FLOAT32_OVERFLOW / 2
+_FLOAT_ONLY = frozenset({float})
+# Where a uint32's most significant byte sits in `array("I").tobytes()` ("I" is 4 bytes on
+# every platform CPython supports).
+_U32_TOP_BYTE = 3 if sys.byteorder == "little" else 0
 
 
-def _ints(values: Sequence[int], name: str, *, low: int) -> tuple[int, ...]:
-    """`values` as a tuple of ints in [low, INT32_MAX]. Plain Python ints (what engines
-    and templates produce) are checked without numpy: this runs twice per turn."""
+def _ints(values: Sequence[int], name: str) -> tuple[int, ...]:
+    """`values` as a tuple of plain ints in [0, INT32_MAX]. A list or tuple (what engines
+    and templates produce) is checked at C speed: this runs several times per turn."""
+    if isinstance(values, list | tuple):
+        try:
+            # Raises for non-integers, negatives and values past 2**32 - 1; int-likes (bool,
+            # numpy integers) pass and come back from `tolist` as plain ints.
+            arr = array.array("I", values)
+        except (TypeError, ValueError, OverflowError):
+            pass  # refused: the general path below names the problem
+        else:
+            # A uint32 is past INT32_MAX exactly when its top bit is set, i.e. when its most
+            # significant byte is not ASCII: one C pass instead of a Python max().
+            if not arr.tobytes()[_U32_TOP_BYTE::4].isascii():
+                raise InvalidInput(f"{name} must lie in [0, {_INT32_MAX}]", field=name)
+            return tuple(arr.tolist())
     if isinstance(values, list | tuple) and all(type(v) is int for v in values):
-        out = tuple(values)
+        out = tuple(values)  # the array refused them: out of range (numpy may not hold them)
     else:
         try:
-            arr = np.asarray(values)
+            arr_np = np.asarray(values)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"{name} must be a flat list of integers", field=name) from exc
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        if arr_np.ndim != 1 or (arr_np.size and arr_np.dtype.kind not in "iu"):
             raise InvalidInput(f"{name} must be a flat list of integers", field=name)
-        out = tuple(arr.tolist())
-    if out and (min(out) < low or max(out) > _INT32_MAX):
-        raise InvalidInput(f"{name} must lie in [{low}, {_INT32_MAX}]", field=name)
+        out = tuple(arr_np.tolist())
+    if out and (min(out) < 0 or max(out) > _INT32_MAX):
+        raise InvalidInput(f"{name} must lie in [0, {_INT32_MAX}]", field=name)
     return out
 
 
 def _floats(values: Sequence[float], name: str) -> tuple[float, ...]:
     """`values` as a tuple of floats that are finite in float32 (the stored width)."""
-    if isinstance(values, list | tuple) and all(type(v) is float for v in values):
+    if isinstance(values, list | tuple) and set(map(type, values)) <= _FLOAT_ONLY:
         out = tuple(values)
     else:
         try:
@@ -92,8 +112,13 @@ def _floats(values: Sequence[float], name: str) -> tuple[float, ...]:
         if arr.ndim != 1:
             raise InvalidInput(f"{name} must be a flat list of numbers", field=name)
         out = tuple(arr.tolist())
-    # NaN fails both comparisons; a value that overflows float32 is as bad as a NaN.
-    if not all(-_FLOAT32_OVERFLOW < v < _FLOAT32_OVERFLOW for v in out):
+    # hypot is one C pass and at least every |v| (NaN or inf when some v is), so far below
+    # the limit it settles the check; otherwise each value is checked. NaN fails both
+    # comparisons; a value that overflows float32 is as bad as a NaN.
+    if not (
+        math.hypot(*out) < _HALF_FLOAT32_OVERFLOW
+        or all(-_FLOAT32_OVERFLOW < v < _FLOAT32_OVERFLOW for v in out)
+    ):
         raise InvalidInput(f"{name} must be finite float32 values", field=name)
     return out
 
@@ -134,7 +159,7 @@ class TurnRecord:
             raise InvalidInput(
                 f"kind must be one of {sorted(TURN_KINDS)}, got {self.kind!r}", field="kind"
             )
-        tokens = _ints(self.token_ids, "token_ids", low=0)
+        tokens = _ints(self.token_ids, "token_ids")
         n = len(tokens)
         set_ = object.__setattr__  # frozen: normalize once, here
         set_(self, "token_ids", tokens)
@@ -147,7 +172,7 @@ class TurnRecord:
                 )
             lp = _floats(self.logprobs, "logprobs")
             _check_length("logprobs", len(lp), n)
-            versions = _ints(self.weight_versions, "weight_versions", low=0)
+            versions = _ints(self.weight_versions, "weight_versions")
             _check_length("weight_versions", len(versions), n)
             set_(self, "logprobs", lp)
             set_(self, "weight_versions", versions)
@@ -159,7 +184,7 @@ class TurnRecord:
         if self.loss_mask is None:
             set_(self, "loss_mask", (1 if self.kind == "policy" else 0,) * n)
         else:
-            mask = _ints(self.loss_mask, "loss_mask", low=0)
+            mask = _ints(self.loss_mask, "loss_mask")
             _check_length("loss_mask", len(mask), n)
             if mask and max(mask) > 1:
                 raise InvalidInput("loss_mask entries must be 0 or 1", field="loss_mask")

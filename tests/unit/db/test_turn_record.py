@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from agentflow.db import turn_rows
@@ -84,6 +86,94 @@ def test_non_policy_turns_carry_no_policy_data(overrides: dict[str, Any], field:
     with pytest.raises(InvalidInput) as info:
         TurnRecord(kind="tool", token_ids=[9], **overrides)
     assert info.value.field == (field,)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "want"),
+    [
+        ([0, 2**31 - 1], (0, 2**31 - 1)),
+        ((7, 8, 9), (7, 8, 9)),
+        ([True, 1, False], (1, 1, 0)),
+        ([np.int64(4), np.uint32(5), 6], (4, 5, 6)),
+        (np.array([5, 6, 7], dtype=np.int64), (5, 6, 7)),
+        (np.array([], dtype=np.float64), ()),
+        (range(3), (0, 1, 2)),
+    ],
+)
+def test_integer_sequences_become_tuples_of_plain_ints(
+    token_ids: Any, want: tuple[int, ...]
+) -> None:
+    record = TurnRecord(kind="env", token_ids=token_ids)
+    assert record.token_ids == want
+    assert all(type(v) is int for v in record.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        ([1, -1], "must lie in [0, 2147483647]"),
+        ([2**31], "must lie in [0, 2147483647]"),
+        ([2**32], "must lie in [0, 2147483647]"),
+        ([1, 2**64], "must lie in [0, 2147483647]"),  # past what numpy holds
+        ([-1, 2**63], "must lie in [0, 2147483647]"),
+        ([np.int32(-1)], "must lie in [0, 2147483647]"),
+        (np.array([2**31], dtype=np.int64), "must lie in [0, 2147483647]"),
+        ([1.0, 2], "must be a flat list of integers"),
+        ([np.float64(1.0)], "must be a flat list of integers"),
+        (["1"], "must be a flat list of integers"),
+        ([[1, 2]], "must be a flat list of integers"),
+        ([None], "must be a flat list of integers"),
+        (np.array([[1, 2]]), "must be a flat list of integers"),
+        (np.array([1.0]), "must be a flat list of integers"),
+        ("12", "must be a flat list of integers"),
+    ],
+)
+def test_bad_integer_sequences_are_refused(token_ids: Any, message: str) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)) as info:
+        TurnRecord(kind="env", token_ids=token_ids)
+    assert info.value.field == ("token_ids",)
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "want"),
+    [
+        ([-0.5, 0.0, -3.4028234663852886e38], (-0.5, 0.0, -3.4028234663852886e38)),
+        ([-1, -0.5, True], (-1.0, -0.5, 1.0)),
+        (np.array([-0.5, -1.0, -0.25], dtype=np.float32), (-0.5, -1.0, -0.25)),
+        ([np.float32(-0.5), -1.0, -0.25], (-0.5, -1.0, -0.25)),
+        (["-0.5", "-1", "-0.25"], (-0.5, -1.0, -0.25)),  # numpy parses numeric strings
+        ([3e38] * 3, (3e38,) * 3),  # each fits float32 though their norm does not
+    ],
+)
+def test_number_sequences_become_tuples_of_plain_floats(
+    logprobs: Any, want: tuple[float, ...]
+) -> None:
+    record = policy(logprobs=logprobs)
+    assert record.logprobs == want
+    assert all(type(v) is float for v in record.logprobs or ())
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (float("nan"), "must be finite float32 values"),
+        (float("inf"), "must be finite float32 values"),
+        (float("-inf"), "must be finite float32 values"),
+        (1e39, "must be finite float32 values"),
+        (-3.4028235677973366e38, "must be finite float32 values"),  # rounds to -inf
+        ("x", "must be a flat list of numbers"),
+        ([1.0], "must be a flat list of numbers"),
+    ],
+)
+def test_bad_logprobs_are_refused(bad: Any, message: str) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)) as info:
+        policy(logprobs=[-0.5, bad, -0.25])
+    assert info.value.field == ("logprobs",)
+
+
+def test_a_2d_logprob_array_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="flat list of numbers"):
+        policy(logprobs=np.zeros((3, 1)))
 
 
 def test_a_policy_turn_may_mask_out_some_of_its_tokens() -> None:
