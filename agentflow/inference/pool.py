@@ -24,8 +24,10 @@ newest weights it can load until the next publish, and says so in the log.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # Builds the engine for slot `index` (its `generation`-th engine, 0 for the first).
 EngineFactory = Callable[[int, int], Awaitable[Engine]]
+
+_INDEX = operator.attrgetter("index")
 
 
 @dataclass
@@ -120,7 +124,8 @@ class EnginePool:
                 raise EngineUnavailable("the engine pool is closed")
             changed = self._changed()
             changed.clear()  # before looking: a replacement that lands after sets it again
-            live = [s for s in self._slots if s.live]
+            # `engine is not None` rather than `.live`: no property call per slot per pick.
+            live = [s for s in self._slots if s.engine is not None]
             if live:
                 return live
             if not any(s.replacing is not None for s in self._slots):
@@ -133,15 +138,24 @@ class EnginePool:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    def _least(self, live: list[_Slot], load: Callable[[_Slot], int]) -> _Slot:
-        self._next = (self._next + 1) % len(self._slots)
-        start = self._next
-        return min(live, key=lambda s: (load(s), (s.index - start) % len(self._slots)))
+    def _least(self, live: list[_Slot], loads: list[int]) -> _Slot:
+        """The slot of `live` (in slot order) with the least of `loads` (one each); among
+        equals, the first at or after a start that moves on one slot per call (round-robin).
+        Runs per session opened: C min and index scans, no Python call per slot."""
+        n = len(self._slots)
+        self._next = start = (self._next + 1) % n
+        least = min(loads)
+        first = start if len(live) == n else bisect.bisect_left(live, start, key=_INDEX)
+        try:
+            return live[loads.index(least, first)]
+        except ValueError:  # none from `start` on: wrap around
+            return live[loads.index(least)]
 
     async def open_session(self, session_id: str | None = None) -> str:
         # A session that could not be opened does not exist yet: try the next engine.
         for _ in range(len(self._slots)):
-            slot = self._least(await self._live_slots(), lambda s: len(s.sessions) + s.opening)
+            live = await self._live_slots()
+            slot = self._least(live, [len(s.sessions) + s.opening for s in live])
             engine = self._engine(slot)
             slot.opening += 1  # counted at once: a burst of opens spreads over the engines
             try:
@@ -184,7 +198,8 @@ class EnginePool:
                     "(its engine died): open a new session"
                 )
         else:
-            slot = self._least(await self._live_slots(), lambda s: s.in_flight)
+            live = await self._live_slots()
+            slot = self._least(live, [s.in_flight for s in live])
         engine = self._engine(slot)
         slot.in_flight += 1
         self._rid_slot[req.rid] = slot

@@ -276,3 +276,18 @@ async def test_a_burst_of_sessions_spreads_over_unequal_engines() -> None:
     await asyncio.gather(*(pool.open_session() for _ in range(8)))
     assert [len(m.engine._sessions) for m in members] == [6, 6]
     await pool.close()
+
+
+async def test_ties_go_round_robin_from_a_moving_start_past_dead_engines() -> None:
+    """Least sessions first; among equals the first at or after a start that moves on one
+    slot per pick, wrapping around and skipping the dead."""
+    members = [member() for _ in range(4)]
+    pool = EnginePool(as_engines(members), replace=None)
+    members[1].kill()  # picked first (start 1), found dead, then skipped
+    chosen = []
+    for _ in range(6):
+        sid = await pool.open_session()
+        chosen.append(next(i for i, m in enumerate(members) if sid in m.engine._sessions))
+    assert chosen == [2, 3, 0, 2, 3, 0]
+    assert pool.counters.lost == 1
+    await pool.close()
