@@ -8,7 +8,10 @@ role boundaries of a chat, the end of a message, and tool calls; they never come
 
 from __future__ import annotations
 
+import array
+import codecs
 import re
+import sys
 from collections.abc import Sequence
 
 from agentflow.errors import InvalidInput
@@ -26,6 +29,12 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|tool_call|>",
     "<|/tool_call|>",
 )
+# array("I") items (4 bytes on every platform CPython supports) read as UTF-32. The codec
+# function itself: looking the codec up by name costs more than decoding short ids.
+_utf32_decode = codecs.utf_32_le_decode if sys.byteorder == "little" else codecs.utf_32_be_decode
+# With specials among them, up to this many ids decode faster one by one than in
+# `_decode_runs`'s few C passes, which cost a few microseconds however short the ids.
+_LOOP_UP_TO = 32
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
 
 
@@ -37,6 +46,10 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self._special = {tok: self.byte_count + i for i, tok in enumerate(SPECIAL_TOKENS)}
         self._special_by_id = {i: tok for tok, i in self._special.items()}
+        # `decode` turns ids into one character each (chr(id)): special ids are then the
+        # characters just past the bytes, and a run of byte ids between them is latin-1.
+        first, last = chr(self.byte_count), chr(self.vocab_size - 1)
+        self._split_at_specials = re.compile(f"([{first}-{last}])")
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +98,18 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        if isinstance(ids, list | tuple):  # bytes() would copy an array's buffer instead
+            try:
+                # Byte ids only, the usual case: bytes() refuses ids past 255, below 0 or
+                # not integers, and the ids below say which.
+                return bytes(ids).decode("utf-8", errors="replace")
+            except (TypeError, ValueError):
+                pass
+            if len(ids) > _LOOP_UP_TO:
+                try:
+                    return self._decode_runs(ids, skip_special)
+                except (TypeError, ValueError, OverflowError):  # UnicodeError is a ValueError
+                    pass  # not ids of this vocabulary: the loop below names the first
         out: list[str] = []
         buf = bytearray()
         for i in ids:
@@ -100,4 +125,20 @@ class ByteTokenizer:
             if not skip_special:
                 out.append(tok)
         out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def _decode_runs(self, ids: list[int] | tuple[int, ...], skip_special: bool) -> str:
+        """`decode` in a few C passes; raises TypeError or ValueError (OverflowError) for ids
+        outside the vocabulary."""
+        # One character per id (chr(id)): the uint32s read as UTF-32.
+        chars = _utf32_decode(array.array("I", ids).tobytes(), "strict", True)[0]
+        out: list[str] = []
+        # The specials land at odd places; each byte run between them decodes on its own,
+        # so a multi-byte character cut by a special becomes replacement characters. A run
+        # holding an id past the vocabulary fails its latin-1 encoding.
+        for k, part in enumerate(self._split_at_specials.split(chars)):
+            if k % 2 == 0:
+                out.append(part.encode("latin-1").decode("utf-8", errors="replace"))
+            elif not skip_special:
+                out.append(self._special_by_id[ord(part)])
         return "".join(out)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import array
 import subprocess
 import sys
 
@@ -65,3 +66,33 @@ def test_import_does_not_load_torch_or_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("pad", [0, 40])  # short ids decode one by one, long ones in runs
+def test_decode_splits_at_specials_and_replaces_cut_characters(pad):
+    tok = ByteTokenizer()
+    head = tok.encode("x" * pad)
+    e_acute = tok.encode("é")
+    call = tok.token_id("<|tool_call|>")
+    assert call is not None
+    ids = [*head, e_acute[0], call, e_acute[1], *tok.encode("ok€")]
+    ids += [tok.end_id]
+    assert tok.decode(ids) == "x" * pad + "\ufffd<|tool_call|>\ufffdok€<|end|>"
+    assert tok.decode(tuple(ids), skip_special=True) == "x" * pad + "\ufffd\ufffdok€"
+
+
+@pytest.mark.parametrize("pad", [0, 40])
+@pytest.mark.parametrize("bad", [-1, 266, 1000, 0xD800, 2**40])
+def test_decode_names_the_first_id_outside_the_vocab(pad, bad):
+    tok = ByteTokenizer()
+    ids = [*tok.encode("y" * pad), tok.eos_id, bad, 5000]
+    with pytest.raises(InvalidInput, match=f"id {bad} is outside the byte vocabulary"):
+        tok.decode(ids)
+
+
+def test_decode_takes_any_sequence_of_ids():
+    tok = ByteTokenizer()
+    assert tok.decode(array.array("q", [104, 105])) == "hi"  # its items, not its buffer
+    assert tok.decode(range(104, 106)) == "hi"
+    assert tok.decode([104, True]) == "h\x01"
+    assert tok.decode([]) == ""
