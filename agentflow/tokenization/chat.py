@@ -189,7 +189,8 @@ class ByteChatTemplate:
 
     def parse_assistant(self, output_ids: Sequence[int]) -> ParsedAssistant:
         ids = list(output_ids)
-        while ids and ids[-1] in self.stop_ids:
+        stops = self.stop_ids
+        while ids and ids[-1] in stops:
             ids.pop()
         return parse_tool_calls(self.tokenizer.decode(ids), "agentflow")
 
@@ -277,25 +278,19 @@ class HFChatTemplate:
         return self.tokenizer.decode([self._stop[0]]), ""
 
     def _pieces(
-        self, base: Sequence[Message], new: Sequence[Message], tools: Any, prefix: str
+        self, base: Sequence[Message], new: Sequence[Message], tools: Any, full: str, at: int
     ) -> tuple[list[int], list[MessageSpan]]:
-        """Token ids of `new` rendered after `base` (whose text is `prefix`), per message.
+        """Token ids of `new` rendered after `base`, per message: `full` is the rendering of
+        both (the caller's, not rendered again) and `new` starts at `full[at]`.
 
         A message ends where the rendering of the conversation up to it stops agreeing
         with the full rendering: templates that merge neighbours (Qwen groups consecutive
         tool results in one turn) still split cleanly, and the ids are always exactly
         the full text's pieces.
         """
-        full = self._text([*base, *new], tools)
-        if not full.startswith(prefix):
-            raise InvalidInput(
-                "the chat template re-renders earlier messages when one is appended; "
-                "token deltas need renderings that extend each other",
-                field="messages",
-            )
         ids: list[int] = []
         spans: list[MessageSpan] = []
-        prev = len(prefix)
+        prev = at
         for i in range(len(new)):
             if i == len(new) - 1:
                 end = len(full)
@@ -311,8 +306,9 @@ class HFChatTemplate:
             prev = end
         return ids, spans
 
-    def _generation_prompt(self, messages: Sequence[Message], tools: Any) -> list[int]:
-        plain, gen = self._text(messages, tools), self._text(messages, tools, gen=True)
+    def _generation_prompt(self, messages: Sequence[Message], tools: Any, plain: str) -> list[int]:
+        """The generation prompt's ids after `messages`, whose rendering is `plain`."""
+        gen = self._text(messages, tools, gen=True)
         if not gen.startswith(plain):
             raise InvalidInput("the chat template's generation prompt rewrites the history")
         return self.tokenizer.encode(gen[len(plain) :], allow_special=True)
@@ -325,8 +321,11 @@ class HFChatTemplate:
         add_generation_prompt: bool = True,
     ) -> RenderedChat:
         _check(messages)
-        ids, spans = self._pieces([], messages, tools, "")
-        gen = self._generation_prompt(messages, tools) if add_generation_prompt else []
+        # Rendered once here for the pieces and the generation prompt (a Jinja rendering
+        # is the costly part of a turn's tokens).
+        full = self._text(messages, tools)
+        ids, spans = self._pieces([], messages, tools, full, 0)
+        gen = self._generation_prompt(messages, tools, full) if add_generation_prompt else []
         return RenderedChat(token_ids=ids + gen, spans=spans, generation_prompt=len(gen))
 
     def render_delta(
@@ -353,13 +352,13 @@ class HFChatTemplate:
                 "before the next message; token deltas cannot be rendered",
                 field="messages",
             )
-        ids, spans = self._pieces(self._PROBE, messages, None, full[: at + len(anchor)])
+        ids, spans = self._pieces(self._PROBE, messages, None, full, at + len(anchor))
         for s in spans:
             s.start += len(close)
             s.end += len(close)
         gen: list[int] = []
         if add_generation_prompt:
-            gen = self._generation_prompt([*self._PROBE, *messages], None)
+            gen = self._generation_prompt([*self._PROBE, *messages], None, full)
         return RenderedChat(token_ids=close + ids + gen, spans=spans, generation_prompt=len(gen))
 
     def parse_assistant(self, output_ids: Sequence[int]) -> ParsedAssistant:

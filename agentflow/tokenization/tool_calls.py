@@ -40,6 +40,12 @@ MARKERS: dict[str, tuple[str, str]] = {
     "agentflow": ("<|tool_call|>", "<|/tool_call|>"),
     "hermes": ("<tool_call>", "</tool_call>"),
 }
+# A call between a style's markers, compiled once (this runs on every answer). An unclosed
+# call at the end (generation cut by the length limit) is still a call body.
+_MARKED_CALL = {
+    style: re.compile(re.escape(start) + r"(.*?)(?:" + re.escape(end) + r"|\Z)", re.S)
+    for style, (start, end) in MARKERS.items()
+}
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = (
     "<｜tool▁call▁begin｜>",
@@ -99,11 +105,9 @@ def parse_tool_calls(text: str, style: ToolCallStyle = "agentflow") -> ParsedAss
         return _parse_mistral(text)
     if style == "deepseek":
         return _parse_deepseek(text)
-    if style not in MARKERS:
+    pattern = _MARKED_CALL.get(style)
+    if pattern is None:
         raise ValueError(f"unknown tool-call style {style!r}")
-    start, end = MARKERS[style]
-    # An unclosed call at the end (generation cut by the length limit) is still a call body.
-    pattern = re.compile(re.escape(start) + r"(.*?)(?:" + re.escape(end) + r"|\Z)", re.S)
     calls: list[ToolCall] = []
     errors: list[str] = []
     content_parts: list[str] = []

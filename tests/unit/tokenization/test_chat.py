@@ -140,6 +140,27 @@ def test_hf_render_matches_the_template_and_delta_extends_it(hf_dir):
     assert cut.token_ids[0] == tok.eos_id
 
 
+def test_hf_renders_a_conversation_once_plain_and_once_with_the_generation_prompt(
+    hf_dir, monkeypatch
+):
+    tpl = chat_template_for(load_tokenizer(hf_dir))
+    assert isinstance(tpl, HFChatTemplate)
+    hf = tpl.tokenizer.hf
+    calls: list[bool] = []
+    render = hf.apply_chat_template
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["add_generation_prompt"])
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "apply_chat_template", counted)
+    tpl.render_delta([{"role": "tool", "content": "higher"}], after=[tpl.tokenizer.eos_id])
+    assert calls == [False, True]
+    calls.clear()
+    tpl.render([{"role": "user", "content": "guess"}])
+    assert calls == [False, True]
+
+
 def test_hf_tool_calls_parse(hf_dir):
     tpl = chat_template_for(load_tokenizer(hf_dir))
     ids = tpl.tokenizer.encode(
