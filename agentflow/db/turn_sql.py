@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+import orjson
 from sqlalchemy import Select, Table, bindparam, select
 from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionm
 from agentflow.db import turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
+from agentflow.db.storable import storable
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import NewTurn, TurnRecord
 
@@ -57,9 +59,13 @@ async def insert_turns(
     batch: Sequence[NewTurn],
     placed: Mapping[uuid.UUID, Placement] | None = None,
     blob_store: BlobStore | None = None,
+    *,
+    autocommit: bool = False,
 ) -> dict[uuid.UUID, Placement]:
     """Insert `batch` (parents before children) with one executemany, after checking the
-    tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
+    tree: parents exist and share the child's episode; depth = parent's + 1. `autocommit`:
+    `session` is an autocommit connection, so on asyncpg the rows go straight to the
+    driver's prepared statement (see `_insert_turn_rows`). `placed`
     holds turns already known to be stored (turns never move), which saves reading them
     back; returns the placement of every turn written. Turns' images go to `blob_store`
     (default: the database) and are linked; a batch with images needs a transaction."""
@@ -124,12 +130,46 @@ async def insert_turns(
     links = []
     if turn_images.has_images(batch):
         links = await turn_images.store_blobs(session, blob_store or DatabaseBlobStore(), batch)
-    await session.execute(sql_insert(turns), rows_out)
+    if autocommit and not links and isinstance(session, AsyncConnection):
+        await _insert_turn_rows(session, rows_out)
+    else:
+        await session.execute(sql_insert(turns), rows_out)
     await turn_images.link(session, links)
 
     # That the episode is still open is checked by the database as each row goes in
     # (trigger `turns_need_open_episode`, migration 0002), atomically with the insert.
     return {turn.id: (turn.episode_id, depths[turn.id]) for turn in batch}
+
+
+_TURN_ROW_COLUMNS = tuple(c.name for c in turns.columns)
+_INSERT_TURN_ROW = (
+    f"INSERT INTO turns ({', '.join(_TURN_ROW_COLUMNS)}) "
+    f"VALUES ({', '.join(f'${i}' for i in range(1, len(_TURN_ROW_COLUMNS) + 1))})"
+)
+
+
+async def _insert_turn_rows(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    """The turn rows through asyncpg's own prepared statement, on an autocommit
+    connection (one statement: atomic by itself). SQLAlchemy's statement and parameter
+    handling cost more CPU than the insert; what its column types do on the way in is
+    done here: text and JSON made storable, JSON serialized. A refused row is raised as
+    SQLAlchemy's IntegrityError, as the ORM path raises it."""
+    if conn.dialect.driver != "asyncpg":
+        await conn.execute(sql_insert(turns), rows)
+        return
+    import asyncpg  # only with the asyncpg driver
+
+    records = []
+    for row in rows:
+        text = row["text"]
+        row["text"] = None if text is None else storable(text)
+        row["timings"] = orjson.dumps(storable(row["timings"])).decode()
+        records.append(tuple(row[name] for name in _TURN_ROW_COLUMNS))
+    driver = cast(asyncpg.Connection, (await conn.get_raw_connection()).driver_connection)
+    try:
+        await driver.executemany(_INSERT_TURN_ROW, records)
+    except asyncpg.IntegrityConstraintViolationError as exc:
+        raise IntegrityError(_INSERT_TURN_ROW, None, exc) from exc
 
 
 async def explain_insert_failure(

@@ -279,7 +279,13 @@ class TurnTree:
             return []
         try:
             async with self._turn_writer(transaction=turn_images.has_images(batch)) as writer:
-                written = await turn_sql.insert_turns(writer, batch, self._placed, self.blob_store)
+                written = await turn_sql.insert_turns(
+                    writer,
+                    batch,
+                    self._placed,
+                    self.blob_store,
+                    autocommit=isinstance(writer, AsyncConnection),
+                )
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, batch, exc) from exc
         self._remember(written)
