@@ -300,3 +300,16 @@ async def test_no_trajectory_points_at_a_missing_turn(
         assert path[0].parent_id is None  # the whole way up to a root is there
         assert tuple(t.id for t in path) == trajectory.turn_ids
         assert len(trajectory.token_ids) == sum(len(t.token_ids) for t in path)
+
+
+async def test_unstorable_text_and_timings_round_trip_on_either_path(turn_tree: TurnTree) -> None:
+    """A lone turn and a batch (on PostgreSQL the driver's own statement) store an env's
+    unencodable text as U+FFFD and keep the timings."""
+    episode = await turn_tree.create_episode()
+    record = TurnRecord(kind="env", token_ids=(1,), text="x\ud800y", timings={"env": 0.25})
+    root = await turn_tree.add_turn(episode, None, record)
+    batch = [NewTurn(episode_id=episode, parent_id=root, record=record) for _ in range(2)]
+    await turn_tree.add_turns(batch)
+    for turn_id in (root, *(t.id for t in batch)):
+        stored = await turn_tree.turn(turn_id)
+        assert stored.text == "x\ufffdy" and stored.timings == {"env": 0.25}
