@@ -1065,7 +1065,9 @@ def main() -> None:
                 say(f"memory at {level}: {waiting} measured")
         print(
             "\nmemory held by live episodes (each waiting on its env with its session "
-            "parked, or on its engine), from before the run starts:\n"
+            "parked, or on its engine), from before the run starts; the resident column "
+            "means something only in a process that ran nothing before (--skip-levels): "
+            "one that did reuses the memory it freed:\n"
         )
         print("\n".join(memory_lines(held)))
     if args.profile:
