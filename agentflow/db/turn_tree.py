@@ -27,11 +27,11 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, exists, insert, select, update
+from sqlalchemy import Table, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
-from agentflow.db import blobs, turn_images, turn_rows, turn_sql
+from agentflow.db import blobs, episode_sql, turn_images, turn_rows, turn_sql
 from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
 from agentflow.db.group_commit import GroupCommit
 from agentflow.db.models import Environment, Run
@@ -67,18 +67,6 @@ def _check_text(name: str, value: str | None, max_length: int | None) -> None:
         raise InvalidInput(f"{name} must not contain NUL characters", field=name)
 
 
-_END_EPISODE = (
-    update(_episodes)
-    .where(_episodes.c.id == bindparam("episode_id"))
-    .values(
-        status=bindparam("new_status"),
-        reward=bindparam("new_reward"),
-        error=bindparam("new_error"),
-        finished_at=bindparam("new_finished_at"),
-        min_weight_version=bindparam("new_min_version"),
-        max_weight_version=bindparam("new_max_version"),
-    )
-)
 _PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
 
 
@@ -207,8 +195,8 @@ class TurnTree:
         """One INSERT for a group commit's new episodes; the foreign keys check the runs
         and envs (a lone episode's failure explained; a batch's is retried one by one)."""
         try:
-            async with self._turn_writer() as writer:
-                await writer.execute(insert(_episodes), list(rows))
+            async with self._episode_statements() as statements:
+                await statements.insert_episodes(rows)
         except IntegrityError as exc:
             if len(rows) > 1:
                 raise
@@ -478,100 +466,43 @@ class TurnTree:
             _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns)
         )
 
+    @contextlib.asynccontextmanager
+    async def _episode_statements(
+        self, *, transaction: bool = False
+    ) -> AsyncIterator[episode_sql.EpisodeStatements]:
+        """Where a group commit's episode statements run (`agentflow.db.episode_sql`):
+        straight on asyncpg for PostgreSQL (in one transaction of its own when asked),
+        else SQLAlchemy Core (queued behind this process's writers on SQLite)."""
+        if self._bind is not None and self._bind.dialect.driver == "asyncpg":
+            async with self._bind.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                if transaction:
+                    async with episode_sql.direct_transaction(conn) as statements:
+                        yield statements
+                else:
+                    yield episode_sql.AsyncpgStatements(
+                        (await conn.get_raw_connection()).driver_connection
+                    )
+            return
+        async with self._write() as session:
+            yield episode_sql.AlchemyStatements(await session.connection())
+
     async def _end_episodes(self, ends: Sequence[_EpisodeEnd]) -> list[list[uuid.UUID] | Exception]:
         """A group commit's episode ends in one transaction: their final turns, a lock on
         their rows (in id order, so concurrent commits never deadlock), their turns read
         in one query, one executemany setting each end, one INSERT of the trajectories.
         An episode already finished (or missing, or whose leaves are not its own) fails
         alone; the others are written."""
-        results: list[list[uuid.UUID] | Exception] = [[] for _ in ends]
-        made: list[dict[str, Any]] = []
         final = [t for end in ends for t in end.turns]
         try:
-            async with self._write() as session:
-                if final:
+            if final:  # the final turns' tree checks and images are SQLAlchemy's
+                async with self._write() as session:
                     await turn_sql.insert_turns(session, final, blob_store=self.blob_store)
-                conn = await session.connection()
-                ids = sorted({end.episode_id for end in ends})
-                found: dict[uuid.UUID, Any] = {}
-                trees: dict[uuid.UUID, list[Any]] = defaultdict(list)
-                for chunk in turn_sql.chunks(ids):
-                    # The lock is the claim: a turn inserted meanwhile waits for this commit,
-                    # then finds its episode finished (trigger), so the tree read is whole.
-                    locked = await conn.execute(
-                        select(_episodes.c.id, _episodes.c.run_id, _episodes.c.status)
-                        .where(_episodes.c.id.in_(chunk))
-                        .order_by(_episodes.c.id)
-                        .with_for_update()
-                    )
-                    found.update({row.id: row for row in locked})
-                open_ids = [i for i, row in found.items() if row.status in OPEN_EPISODE_STATUSES]
-                for chunk in turn_sql.chunks(open_ids):
-                    tree_rows = await conn.execute(
-                        select(
-                            _turns.c.episode_id,
-                            _turns.c.id,
-                            _turns.c.parent_id,
-                            _turns.c.weight_versions,
-                        )
-                        .where(_turns.c.episode_id.in_(chunk))
-                        .order_by(_turns.c.depth, _turns.c.created_at, _turns.c.id)
-                    )
-                    for row in tree_rows:
-                        trees[row.episode_id].append(row)
-                now = datetime.now(UTC)
-                status_now = {i: row.status for i, row in found.items()}
-                updates: list[dict[str, Any]] = []
-                for index, end in enumerate(ends):
-                    status = status_now.get(end.episode_id)
-                    if status is None:
-                        results[index] = NotFound(f"episode {end.episode_id} not found")
-                        continue
-                    if status not in OPEN_EPISODE_STATUSES:
-                        results[index] = Conflict(f"episode {end.episode_id} is already {status}")
-                        continue
-                    tree = trees[end.episode_id]
-                    rows: list[dict[str, Any]] = []
-                    if end.status in TRAINABLE_EPISODE_STATUSES:
-                        try:
-                            rows = turn_rows.trajectory_rows(
-                                tree,
-                                episode_id=end.episode_id,
-                                run_id=found[end.episode_id].run_id,
-                                leaf_turn_ids=end.leaf_turn_ids,
-                                leaf_rewards=end.leaf_rewards,
-                                reward=end.reward,
-                                created_at=now,
-                            )
-                        except InvalidInput as exc:
-                            results[index] = exc
-                            continue
-                    versions = turn_rows.version_range(row.weight_versions for row in tree)
-                    status_now[end.episode_id] = end.status
-                    updates.append(
-                        {
-                            "episode_id": end.episode_id,
-                            "new_status": end.status,
-                            "new_reward": end.reward,
-                            "new_error": end.error,
-                            "new_finished_at": now,
-                            "new_min_version": None if versions is None else versions[0],
-                            "new_max_version": None if versions is None else versions[1],
-                        }
-                    )
-                    made.extend(rows)
-                    results[index] = [row["id"] for row in rows]
-                undone = [
-                    result
-                    for end, result in zip(ends, results, strict=True)
-                    if end.turns and isinstance(result, Exception)
-                ]
-                if undone:  # a failed end writes none of its final turns: roll them back
-                    raise undone[0] if len(ends) == 1 else _WriteAlone()
-                if updates:
-                    await conn.execute(_END_EPISODE, updates)
-                if made:  # an empty parameter list would insert one row of defaults
-                    await conn.execute(insert(_trajectories), made)
+                    alchemy = episode_sql.AlchemyStatements(await session.connection())
+                    results, made = await self._write_ends(alchemy, ends)
+            else:
+                async with self._episode_statements(transaction=True) as statements:
+                    results, made = await self._write_ends(statements, ends)
         except IntegrityError as exc:
             if len(ends) > 1:
                 raise  # written again one by one, each with its own explanation
@@ -579,6 +510,79 @@ class TurnTree:
         if made:
             self._announce()
         return results
+
+    async def _write_ends(
+        self, statements: episode_sql.EpisodeStatements, ends: Sequence[_EpisodeEnd]
+    ) -> tuple[list[list[uuid.UUID] | Exception], int]:
+        """`_end_episodes` inside its transaction: each end's result, and how many
+        trajectories were made."""
+        results: list[list[uuid.UUID] | Exception] = [[] for _ in ends]
+        ids = sorted({end.episode_id for end in ends})
+        found: dict[uuid.UUID, episode_sql.LockedEpisode] = {}
+        for chunk in turn_sql.chunks(ids):
+            # The lock is the claim: a turn inserted meanwhile waits for this commit, then
+            # finds its episode finished (trigger), so the tree read next is whole.
+            found.update({row.id: row for row in await statements.lock_episodes(chunk)})
+        open_ids = [i for i, row in found.items() if row.status in OPEN_EPISODE_STATUSES]
+        trees: dict[uuid.UUID, list[episode_sql.TreeTurn]] = defaultdict(list)
+        for chunk in turn_sql.chunks(open_ids):
+            for turn in await statements.episode_turns(chunk):
+                trees[turn.episode_id].append(turn)
+        now = datetime.now(UTC)
+        status_now = {i: row.status for i, row in found.items()}
+        updates: list[dict[str, Any]] = []
+        made: list[dict[str, Any]] = []
+        for index, end in enumerate(ends):
+            status = status_now.get(end.episode_id)
+            if status is None:
+                results[index] = NotFound(f"episode {end.episode_id} not found")
+                continue
+            if status not in OPEN_EPISODE_STATUSES:
+                results[index] = Conflict(f"episode {end.episode_id} is already {status}")
+                continue
+            tree = trees[end.episode_id]
+            rows: list[dict[str, Any]] = []
+            if end.status in TRAINABLE_EPISODE_STATUSES:
+                try:
+                    rows = turn_rows.trajectory_rows(
+                        tree,
+                        episode_id=end.episode_id,
+                        run_id=found[end.episode_id].run_id,
+                        leaf_turn_ids=end.leaf_turn_ids,
+                        leaf_rewards=end.leaf_rewards,
+                        reward=end.reward,
+                        created_at=now,
+                    )
+                except InvalidInput as exc:
+                    results[index] = exc
+                    continue
+            versions = turn_rows.version_range(turn.weight_versions for turn in tree)
+            status_now[end.episode_id] = end.status
+            updates.append(
+                {
+                    "id": end.episode_id,
+                    "status": end.status,
+                    "reward": end.reward,
+                    "error": end.error,
+                    "finished_at": now,
+                    "min_weight_version": None if versions is None else versions[0],
+                    "max_weight_version": None if versions is None else versions[1],
+                }
+            )
+            made.extend(rows)
+            results[index] = [row["id"] for row in rows]
+        undone = [
+            result
+            for end, result in zip(ends, results, strict=True)
+            if end.turns and isinstance(result, Exception)
+        ]
+        if undone:  # a failed end writes none of its final turns: roll them back
+            raise undone[0] if len(ends) == 1 else _WriteAlone()
+        if updates:
+            await statements.end_episodes(updates)
+        if made:  # an empty parameter list would insert one row of defaults
+            await statements.insert_trajectories(made)
+        return results, len(made)
 
     async def trajectories(self, trajectory_ids: Sequence[uuid.UUID]) -> list[TrajectoryView]:
         """Trajectories with their full tokens, in the order asked."""

@@ -313,3 +313,15 @@ async def test_unstorable_text_and_timings_round_trip_on_either_path(turn_tree: 
     for turn_id in (root, *(t.id for t in batch)):
         stored = await turn_tree.turn(turn_id)
         assert stored.text == "x\ufffdy" and stored.timings == {"env": 0.25}
+
+
+async def test_an_episode_s_unstorable_task_and_error_are_stored_as_replacements(
+    turn_tree: TurnTree,
+) -> None:
+    """Creates and ends (on PostgreSQL straight on the driver) make text storable as the
+    column types do on the SQLAlchemy path."""
+    episode = await turn_tree.create_episode(task={"k\ud800": ["a\udfffb", 1]}, group_id="g")
+    await turn_tree.complete_episode(episode, "failed", error="boom \ud800")
+    info = await turn_tree.episode(episode)
+    assert info.task == {"k\ufffd": ["a\ufffdb", 1]} and info.group_id == "g"
+    assert info.status == "failed" and info.error == "boom \ufffd" and info.finished_at
