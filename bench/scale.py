@@ -26,8 +26,10 @@ window. Per level:
   staleness of what it consumed (its version at consumption minus the trajectory's
   oldest token version): p50/p90/max and the histogram;
 - why: the event loop's lag (how late a 50 ms sleep wakes), the cyclic garbage
-  collector's share of the CPU and its full collections, SQL statements per turn (and by
-  kind), turns queued for the group commit, database connections checked out, episode
+  collector's share of the CPU and its full collections, SQL statements sent through
+  SQLAlchemy per turn (and by kind, with their wall time; on PostgreSQL the group
+  commits of turns and episodes go straight to asyncpg and are not among them), turns
+  queued for the group commit, database connections checked out, episode
   wall time, the CPU of the whole machine and of PostgreSQL's processes, and the warnings
   and errors the project logged (an episode's end that had to be written again, say).
 Then ratios between consecutive levels, and whether the controller stayed under one core.
