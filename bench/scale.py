@@ -287,9 +287,7 @@ async def watch_loop(
         asked = loop.time()
         await asyncio.sleep(LAG_PERIOD_S)
         lag = loop.time() - asked - LAG_PERIOD_S
-        # The group commit's queue has no public gauge: read it where it is, or read 0.
-        batcher = getattr(turns, "_batcher", None)
-        queued = len(getattr(batcher, "_pending", ()))
+        queued = turns.queued_writes["turns"]
         checked_out = getattr(pool, "checkedout", lambda: 0)()
         samples.append(
             _Sample(
@@ -941,24 +939,19 @@ def run(
     progress: Callable[[str], None] = lambda line: None,
 ) -> LevelResult:
     """`run_level` on a fresh event loop of kind `loop` (`asyncio` or `uvloop`)."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(
-            run_level(
-                level,
-                workload,
-                url,
-                warmup_s=warmup_s,
-                seconds=seconds,
-                max_warmup_s=max_warmup_s,
-                profile=profile,
-                progress=progress,
-            )
-        )
+    return on_loop(
+        loop,
+        run_level(
+            level,
+            workload,
+            url,
+            warmup_s=warmup_s,
+            seconds=seconds,
+            max_warmup_s=max_warmup_s,
+            profile=profile,
+            progress=progress,
+        ),
+    )
 
 
 def main() -> None:

@@ -9,8 +9,7 @@ turns, take SQLAlchemy Core. Both sides implement `EpisodeStatements`; the logic
 decides what to write lives once, in `TurnTree`.
 
 What SQLAlchemy's column types do on the way in is done here for asyncpg: storable text
-and JSON (`agentflow.db.storable`), JSON serialized. A refused row is raised as
-SQLAlchemy's `IntegrityError` either way, so callers explain it as they always did.
+and JSON (`agentflow.db.storable`), JSON serialized (`agentflow.db.direct` runs them).
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import orjson
 from sqlalchemy import Table, bindparam, insert, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from agentflow.db import direct
 from agentflow.db.models import Episode, Trajectory, Turn
 from agentflow.db.storable import storable
 
@@ -123,19 +122,10 @@ class AlchemyStatements:
         await self.conn.execute(insert(_trajectories), list(rows))
 
 
-def _columns(table: Table) -> tuple[str, ...]:
-    return tuple(c.name for c in table.columns)
-
-
-def _insert_sql(table: Table, columns: Sequence[str]) -> str:
-    marks = ", ".join(f"${i}" for i in range(1, len(columns) + 1))
-    return f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({marks})"
-
-
 _EPISODE_COLUMNS = ("id", "run_id", "environment_id", "env_ref", "task", "group_id", "status")
-_EPISODE_INSERT = _insert_sql(_episodes, (*_EPISODE_COLUMNS, "created_at"))
-_TRAJECTORY_COLUMNS = _columns(_trajectories)
-_TRAJECTORY_INSERT = _insert_sql(_trajectories, _TRAJECTORY_COLUMNS)
+_EPISODE_INSERT = direct.insert_sql(_episodes, (*_EPISODE_COLUMNS, "created_at"))
+_TRAJECTORY_COLUMNS = tuple(c.name for c in _trajectories.columns)
+_TRAJECTORY_INSERT = direct.insert_sql(_trajectories, _TRAJECTORY_COLUMNS)
 _LOCK_SQL = (
     "SELECT id, run_id, status FROM episodes WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE"
 )
@@ -195,12 +185,7 @@ class AsyncpgStatements:
         )
 
     async def _many(self, sql: str, records: list[tuple[Any, ...]]) -> None:
-        import asyncpg  # only with the asyncpg driver
-
-        try:
-            await self.driver.executemany(sql, records)
-        except asyncpg.IntegrityConstraintViolationError as exc:
-            raise IntegrityError(sql, None, exc) from exc
+        await direct.executemany(self.driver, sql, records)
 
 
 @contextlib.asynccontextmanager

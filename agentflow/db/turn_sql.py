@@ -17,7 +17,7 @@ from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
-from agentflow.db import turn_images, turn_rows
+from agentflow.db import direct, turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
 from agentflow.db.storable import storable
@@ -142,34 +142,24 @@ async def insert_turns(
 
 
 _TURN_ROW_COLUMNS = tuple(c.name for c in turns.columns)
-_INSERT_TURN_ROW = (
-    f"INSERT INTO turns ({', '.join(_TURN_ROW_COLUMNS)}) "
-    f"VALUES ({', '.join(f'${i}' for i in range(1, len(_TURN_ROW_COLUMNS) + 1))})"
-)
+_INSERT_TURN_ROW = direct.insert_sql(turns, _TURN_ROW_COLUMNS)
 
 
 async def _insert_turn_rows(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    """The turn rows through asyncpg's own prepared statement, on an autocommit
-    connection (one statement: atomic by itself). SQLAlchemy's statement and parameter
-    handling cost more CPU than the insert; what its column types do on the way in is
-    done here: text and JSON made storable, JSON serialized. A refused row is raised as
-    SQLAlchemy's IntegrityError, as the ORM path raises it."""
+    """The turn rows on an autocommit connection: with asyncpg straight on the driver
+    (`agentflow.db.direct`), what the column types do on the way in done here (text and
+    JSON made storable, JSON serialized)."""
     if conn.dialect.driver != "asyncpg":
         await conn.execute(sql_insert(turns), rows)
         return
-    import asyncpg  # only with the asyncpg driver
-
     records = []
     for row in rows:
         text = row["text"]
         row["text"] = None if text is None else storable(text)
         row["timings"] = orjson.dumps(storable(row["timings"])).decode()
         records.append(tuple(row[name] for name in _TURN_ROW_COLUMNS))
-    driver = cast(asyncpg.Connection, (await conn.get_raw_connection()).driver_connection)
-    try:
-        await driver.executemany(_INSERT_TURN_ROW, records)
-    except asyncpg.IntegrityConstraintViolationError as exc:
-        raise IntegrityError(_INSERT_TURN_ROW, None, exc) from exc
+    driver = (await conn.get_raw_connection()).driver_connection
+    await direct.executemany(driver, _INSERT_TURN_ROW, records)
 
 
 async def explain_insert_failure(
