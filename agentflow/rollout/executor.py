@@ -38,7 +38,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
@@ -75,14 +75,79 @@ class RunCounters:
     hook_errors: int = 0
 
 
+@dataclass(frozen=True)
+class GroupTicket:
+    """One admitted group: which env, which task, how many episodes (`group_size`, fewer
+    for the last group of a run that stops at `max_episodes`)."""
+
+    group_id: str
+    source_index: int
+    task: dict[str, object]
+    episodes: int
+
+
+class GroupAdmission(Protocol):
+    """Where a scheduler gets its next group. `LocalAdmission` decides in this process; a
+    controller shard asks its run's coordinator (`agentflow.rollout.shards`), which keeps
+    the one staleness gate, env mix and task sequence of the run."""
+
+    async def next_group(self) -> GroupTicket | None:
+        """Wait until a group may start; None once the run has admitted its last."""
+        ...
+
+    async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
+        """Every episode of `ticket` has been recorded; `trajectories` made in all."""
+        ...
+
+
+class LocalAdmission:
+    """The run's admission decided here: the staleness gate, the env mix's next pick, a
+    seeded task, and `rollout.max_episodes`. A group with no trajectory is refunded."""
+
+    def __init__(self, config: RunConfig, weights: list[float], gate: StalenessGate | None) -> None:
+        self.gate = gate
+        self.group_size = config.rollout.group_size
+        self.max_episodes = config.rollout.max_episodes
+        self.granted = 0  # episodes in the groups admitted so far
+        self._mix = SourceMix(weights)
+        self._rng = random.Random(config.seed)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.max_episodes is not None and self.granted >= self.max_episodes
+
+    async def next_group(self) -> GroupTicket | None:
+        if self.exhausted:
+            return None
+        if self.gate is not None:
+            await self.gate.admit_group()
+        episodes = self.group_size
+        if self.max_episodes is not None:
+            episodes = min(episodes, self.max_episodes - self.granted)
+        self.granted += episodes
+        source_index = self._mix.pick()
+        task: dict[str, object] = {"seed": self._rng.randrange(2**31)}
+        return GroupTicket(uuid.uuid4().hex, source_index, task, episodes)
+
+    async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
+        if trajectories == 0 and self.gate is not None:
+            await self.gate.refund_group()
+
+
+EpisodeReport = Callable[[EpisodeOutcome, int], None]
+
+
 @dataclass
 class _Group:
-    """One task's samples; refunded to the gate if it yields no trajectory."""
+    """One task's samples; settled once all have ended (refunded to the gate if it yields
+    no trajectory)."""
 
+    ticket: GroupTicket
     started: int = 0
     finished: int = 0
     trajectories: int = 0
     admitted_all: bool = False
+    settled: bool = False
 
 
 class RunExecutor:
@@ -101,14 +166,20 @@ class RunExecutor:
         gateway_url: str,
         secret_key: str,
         on_finish: Callable[[RunExecutor], Awaitable[None]] | None = None,
+        admission: GroupAdmission | None = None,
+        on_episode: EpisodeReport | None = None,
+        owns_run: bool = True,
     ) -> None:
+        """`admission`: where groups come from (default: decided here, with this run's
+        gate). A controller shard passes its coordinator's, with `owns_run` off: the
+        coordinator then writes the run's status and fails the run after
+        `max_consecutive_failures`, counting the episodes `on_episode` reports."""
         self.run_id = run_id
         self.config = config
         self.turns = turns
         self.runs = runs or RunStore(turns.sessions)
         self.runtime = runtime
         self.sources = sources
-        self._mix = SourceMix([s.weight for s in sources])
         self.agent = agent
         self.gateway_url = gateway_url
         self.secret_key = secret_key
@@ -125,18 +196,20 @@ class RunExecutor:
         self._hooks_failed: set[str] = set()
         self.state: RunState = "running"
         self.counters = RunCounters()
-        self._rng = random.Random(config.seed)
+        self.owns_run = owns_run
+        self.on_episode = on_episode
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         rollout = config.rollout
         self.gate: StalenessGate | None = None
-        if rollout.wait_for_trainer:
+        if rollout.wait_for_trainer and admission is None:
             self.gate = StalenessGate(
                 max_staleness=rollout.max_staleness,
                 batch_episodes=config.trainer.batch_episodes,
                 # A group's trajectories, RTPO's re-rolls included: the trainer's unit.
                 group_size=config.samples_per_group(),
             )
+        self.admission = admission or LocalAdmission(config, [s.weight for s in sources], self.gate)
         first = min(rollout.max_concurrency, max(rollout.min_concurrency, 64))
         self._slots = ElasticLimit(first if rollout.elastic else rollout.max_concurrency)
         self.pool: ElasticPool | None = None
@@ -234,26 +307,21 @@ class RunExecutor:
     # ---- the loop -------------------------------------------------------------------
 
     async def _admit_loop(self) -> None:
-        rollout = self.config.rollout
         try:
-            while rollout.max_episodes is None or self.counters.started < rollout.max_episodes:
+            while True:
                 await self._unpaused.wait()
-                if self.gate is not None:
-                    await self.gate.admit_group()
-                source_index = self._pick_source()
-                task: dict[str, object] = {"seed": self._rng.randrange(2**31)}
-                group_id = uuid.uuid4().hex
-                group = _Group()
+                ticket = await self.admission.next_group()
+                if ticket is None:
+                    break
+                group = _Group(ticket)
                 self.counters.groups += 1
-                for _ in range(rollout.group_size):
-                    if rollout.max_episodes and self.counters.started >= rollout.max_episodes:
-                        break
+                for _ in range(ticket.episodes):
                     await self._unpaused.wait()
                     await self._slots.acquire()
-                    await self._env_slots[source_index].acquire()
+                    await self._env_slots[ticket.source_index].acquire()
                     self.counters.started += 1
                     group.started += 1
-                    episode = asyncio.create_task(self._play(source_index, task, group_id, group))
+                    episode = asyncio.create_task(self._play(group))
                     self._live.add(episode)
                     episode.add_done_callback(self._live.discard)
                 group.admitted_all = True
@@ -267,14 +335,14 @@ class RunExecutor:
             log.exception("run %s admission failed", self.run_id)
             await self._end("failed", f"{type(exc).__name__}: {exc}")
 
-    def _pick_source(self) -> int:
-        return self._mix.pick()
-
-    async def _play(
-        self, source_index: int, task: dict[str, object], group_id: str, group: _Group
-    ) -> None:
+    async def _play(self, group: _Group) -> None:
         """One episode, start to record. Never cancelled itself: a stop cancels only the
         agent's task, so creating and completing the episode always run to the end."""
+        source_index, task, group_id = (
+            group.ticket.source_index,
+            group.ticket.task,
+            group.ticket.group_id,
+        )
         source = self.sources[source_index]
         episode_id: uuid.UUID | None = None
         try:
@@ -321,10 +389,9 @@ class RunExecutor:
             await self._call_hooks(event)
 
     async def _settle_group(self, group: _Group) -> None:
-        if group.admitted_all and group.finished == group.started and not group.trajectories:
-            group.trajectories = -1  # refund once
-            if self.gate is not None:
-                await self.gate.refund_group()
+        if group.admitted_all and group.finished == group.started and not group.settled:
+            group.settled = True
+            await self.admission.group_settled(group.ticket, group.trajectories)
 
     async def _run_agent(
         self, episode_id: uuid.UUID, source: EnvSource, task: dict[str, object]
@@ -411,8 +478,14 @@ class RunExecutor:
         elif outcome.status in ("completed", "truncated"):
             counters.consecutive_failures = 0
         made = await self._record_outcome(episode_id, outcome)
+        if self.on_episode is not None:
+            self.on_episode(outcome, made)
         limit = self.config.rollout.max_consecutive_failures
-        if counters.consecutive_failures >= limit and self.state in ("running", "paused"):
+        if (
+            self.owns_run
+            and counters.consecutive_failures >= limit
+            and self.state in ("running", "paused")
+        ):
             reason = f"{limit} episodes failed in a row; last: {counters.last_error}"
             asyncio.get_running_loop().create_task(self._end("failed", reason))
         return made
@@ -482,7 +555,8 @@ class RunExecutor:
             await self.on_finish(self)
 
     async def _set_status(self, status: str, *, error: str | None = None) -> None:
-        await self.runs.set_status(self.run_id, status, error=error)
+        if self.owns_run:
+            await self.runs.set_status(self.run_id, status, error=error)
 
 
 def run_stream(

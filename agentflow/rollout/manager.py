@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import uuid
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -17,25 +15,25 @@ from agentflow.agents.base import Agent
 from agentflow.agents.blackbox.container_agent import ContainerAgent
 from agentflow.agents.blackbox.http_agent import HttpAgent
 from agentflow.agents.blackbox.live import LiveEpisodes
-from agentflow.agents.runtime import PolicyRuntime, RuntimeRegistry
-from agentflow.agents.whitebox import WhiteBoxAgent
+from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
-from agentflow.db.runs import IN_PROCESS_URI, RunStore
+from agentflow.db.runs import RunStore
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict, InvalidInput, WeightsNotFound
+from agentflow.errors import Conflict
 from agentflow.inference.base import (
-    BROADCAST_URI_PREFIX,
     BroadcastReceiver,
-    Engine,
-    PauseMode,
-    SamplingParams,
     WeightGroup,
     WeightUpdate,
 )
 from agentflow.metrics import GatewayMetrics
-from agentflow.plugins import load_function
 from agentflow.rollout.envs import EnvSource, resolve_env_sources
 from agentflow.rollout.executor import RunExecutor, run_stream
+from agentflow.rollout.runtime_setup import (
+    build_runtime,
+    load_newest_weights,
+    python_agent,
+    whitebox_agent,
+)
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import UNLOADED, RunConfig
 
@@ -102,9 +100,11 @@ class RunManager:
             if sources is None:
                 sources = await resolve_env_sources(self.sessions, config.envs)
             agent = self._agent(config)
-            runtime = await asyncio.to_thread(_build_runtime, config)  # loading weights blocks
+            runtime = await asyncio.to_thread(build_runtime, config)  # loading weights blocks
             try:
-                await self._load_newest_weights(run_id, runtime)
+                await load_newest_weights(
+                    self.runs, run_id, runtime, trainer_in_process=self.trainer_in_process
+                )
                 if config.placement.ray and config.placement.env_servers:
                     from agentflow.placement.env_servers import place_env_servers
 
@@ -135,39 +135,6 @@ class RunManager:
         self.executors[run_id] = executor
         self._streams[run_id] = executor.trajectory_stream()
         await executor.start(paused=paused)
-
-    async def _load_newest_weights(self, run_id: uuid.UUID, runtime: PolicyRuntime) -> None:
-        """A run that served published weights before (a restart after a crash, a resume)
-        serves the newest of them again, loaded from where it was published, before its
-        engine takes a request; its tokens then carry that version, not 0."""
-        newest = await self.runs.newest_weights(run_id)
-        if newest is None:
-            return
-        lost = f"its newest weights (version {newest.version}) "
-        if newest.uri == IN_PROCESS_URI:
-            if self.trainer_in_process:
-                return  # that trainer republishes its checkpoint before it trains on
-            raise WeightsNotFound(
-                lost + "were handed over inside a trainer process that is gone; "
-                "no directory holds them"
-            )
-        if newest.uri.startswith(BROADCAST_URI_PREFIX):
-            # Broadcast weights live only in the engines (and the trainer's checkpoint).
-            serving = (await runtime.engine.info()).weight_version
-            if serving != newest.version:
-                log.warning(
-                    "run %s: its engine serves weight version %d, not the newest broadcast "
-                    "one (%d); the trainer's next publish replaces them",
-                    run_id,
-                    serving,
-                    newest.version,
-                )
-            return
-        if not Path(newest.uri).is_dir():
-            raise WeightsNotFound(lost + f"are no longer at {newest.uri}")
-        update = WeightUpdate(path=newest.uri, version=newest.version)
-        await runtime.engine.update_weights(update)
-        log.info("run %s: loaded weight version %d from %s", run_id, newest.version, newest.uri)
 
     async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
         """The run's trajectory stream; a finished run's stored config still serves one."""
@@ -214,15 +181,7 @@ class RunManager:
 
     def _agent(self, config: RunConfig) -> Agent:
         if config.agent.type == "whitebox":
-            rtpo = config.trainer.algorithm == "rtpo"
-            return WhiteBoxAgent(
-                park_after_s=config.rollout.park_after_s,
-                system_prompt=config.agent.system_prompt,
-                metrics=self.metrics,
-                branches=config.rtpo.branches if rtpo else 0,
-                branch_turns=config.rtpo.branch_turns,
-                rng=random.Random(config.seed),
-            )
+            return whitebox_agent(config, metrics=self.metrics)
         agent = config.agent
         if agent.type in ("http", "container") and not self.settings.public_url:
             raise Conflict(
@@ -236,7 +195,7 @@ class RunManager:
                 str(agent.url), self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
             )
         if agent.type == "python":
-            return _python_agent(config)
+            return python_agent(config)
         return ContainerAgent(
             agent.command, self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
         )
@@ -310,55 +269,3 @@ class RunManager:
                 await runtime.engine.close()
         for run_id in list(self._env_servers):
             await self._close_env_servers(run_id)
-
-
-def _python_agent(config: RunConfig) -> Agent:
-    """`agent.entry_point`'s factory, called with the agent config once per run."""
-    path = config.agent.entry_point
-    assert path is not None  # the config validator requires it
-    field = ("agent", "entry_point")
-    factory = load_function(path, field=field)
-    try:
-        agent = factory(config.agent)
-    except Exception as exc:  # noqa: BLE001 - the run does not start, naming the field
-        raise InvalidInput(
-            f"agent factory {path}: {type(exc).__name__}: {exc}", field=field
-        ) from exc
-    if not callable(getattr(agent, "run", None)):
-        raise InvalidInput(
-            f"agent factory {path} returned an instance of {type(agent).__name__!r}, "
-            "which has no async run(episode) method",
-            field=field,
-        )
-    return cast(Agent, agent)
-
-
-def _build_runtime(config: RunConfig) -> PolicyRuntime:
-    from agentflow.inference.factory import build_engine, build_template
-    from agentflow.modeling import import_model_classes
-
-    import_model_classes()  # runs recovering together build engines in parallel threads
-
-    template = build_template(config)
-    engine: Engine
-    if config.placement.ray:  # a pool of engine actors; Ray is imported only then
-        from agentflow.placement.engines import place_engines
-
-        engine, max_context = place_engines(config)
-    else:
-        engine, max_context = build_engine(config)
-    sampling = SamplingParams(
-        temperature=config.agent.temperature,
-        max_new_tokens=config.agent.max_new_tokens,
-        stop_token_ids=template.stop_ids,
-    )
-    return PolicyRuntime(
-        engine,
-        template,
-        config.name,
-        sampling,
-        max_context,
-        partial_rollout=config.rollout.partial_rollout,
-        interrupt=PauseMode(config.rollout.interrupt),
-        history=config.model.chat_history,
-    )
