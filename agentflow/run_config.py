@@ -410,6 +410,14 @@ class RolloutConfig(_Section):
         default=600.0, gt=0, le=86_400, description="how long a trainer's lease lasts"
     )
     max_concurrency: Int64 = Field(default=256, ge=1, description="live episodes in total")
+    controllers: Int64 = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="controller processes that play the run's episodes (shards; "
+        "docs/architecture.md, 'Controller shards'): each plays whole groups with its "
+        "share of the live episodes and of the engines, on the run's PostgreSQL database",
+    )
     elastic: bool = Field(
         default=False,
         description="adapt live episodes to measured engine load and env latency, "
@@ -875,6 +883,57 @@ class PlacementConfig(_Section):
         return value
 
 
+def _unshardable(config: RunConfig, count: int) -> str | None:
+    """Why a run cannot be split over `count` controller shards, or None."""
+    if config.agent.type in ("http", "container"):
+        return (
+            f"a {config.agent.type!r} agent calls the gateway back, where its sessions must "
+            "live; shards play white-box and python agents"
+        )
+    if config.placement.ray:
+        return "shards run as processes beside the gateway, not yet under [placement] ray"
+    if config.weights.sync != "disk":
+        return "each shard loads published weights from a directory: set weights.sync = 'disk'"
+    rollout = config.rollout
+    if rollout.max_concurrency < count:
+        return f"rollout.max_concurrency ({rollout.max_concurrency}) gives a shard no episode"
+    if rollout.elastic and rollout.min_concurrency < count:
+        return f"rollout.min_concurrency ({rollout.min_concurrency}) gives a shard no episode"
+    for i, entry in enumerate(config.envs):
+        if entry.max_concurrency < count:
+            return f"envs.{i}.max_concurrency ({entry.max_concurrency}) gives a shard no episode"
+    engine = config.engine
+    if isinstance(engine, VLLMEngineConfig) and engine.launch is not None:
+        return "launched vLLM servers belong to one controller: list the servers in engine.urls"
+    if isinstance(engine, (SGLangEngineConfig, VLLMEngineConfig)) and len(engine.urls) < count:
+        return (
+            f"each shard drives its own engine servers: engine.urls lists {len(engine.urls)} "
+            "(one server's pauses and weight switches would reach another shard's requests)"
+        )
+    return None
+
+
+def shard_config(config: RunConfig, index: int, count: int) -> RunConfig:
+    """Controller shard `index` of `count`'s part of the run: its share of the live
+    episodes (and of each env's cap) and of the engine servers; one scheduler."""
+
+    def share(total: int) -> int:
+        return total // count + (1 if index < total % count else 0)
+
+    rollout = config.rollout.model_copy(
+        update={
+            "controllers": 1,
+            "max_concurrency": share(config.rollout.max_concurrency),
+            "min_concurrency": share(config.rollout.min_concurrency),
+        }
+    )
+    envs = [e.model_copy(update={"max_concurrency": share(e.max_concurrency)}) for e in config.envs]
+    engine: EngineConfig = config.engine
+    if isinstance(engine, (SGLangEngineConfig, VLLMEngineConfig)):
+        engine = engine.model_copy(update={"urls": engine.urls[index::count]})
+    return config.model_copy(update={"rollout": rollout, "envs": envs, "engine": engine})
+
+
 class RunConfig(_Section):
     """A whole run. `POST /v1/runs` takes this document as JSON."""
 
@@ -974,6 +1033,17 @@ class RunConfig(_Section):
                 "engine.urls: servers that already run cannot serve the warm start's "
                 "checkpoint; use [engine.launch], or set model.path to what they serve"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _shards_can_split_the_run(self) -> RunConfig:
+        """What controller shards cannot share is refused here, naming the setting."""
+        count = self.rollout.controllers
+        if count == 1:
+            return self
+        why = _unshardable(self, count)
+        if why is not None:
+            raise ValueError(f"rollout.controllers = {count}: {why}")
         return self
 
     @model_validator(mode="after")

@@ -202,6 +202,34 @@ class RunStore:
             runs = await session.scalars(select(Run).where(Run.status.in_(LIVE_RUN_STATUSES)))
             return aborted, [_stored(run) for run in runs]
 
+    async def abort_groups(
+        self, run_id: uuid.UUID, group_ids: Iterable[str], reason: str
+    ) -> tuple[int, dict[str, int]]:
+        """A controller shard died: its groups' live episodes are aborted with `reason`,
+        as a restart aborts them. Returns how many, and each group's trajectories (a
+        group missing from the map made none)."""
+        groups = list(group_ids)
+        if not groups:
+            return 0, {}
+        async with self.sessions.begin() as session:
+            result = await session.execute(
+                update(Episode)
+                .where(
+                    Episode.run_id == run_id,
+                    Episode.group_id.in_(groups),
+                    Episode.status.in_(OPEN_EPISODE_STATUSES),
+                )
+                .values(status="aborted", error=reason, finished_at=_now())
+            )
+            aborted = int(getattr(result, "rowcount", 0) or 0)
+            made = await session.execute(
+                select(Episode.group_id, func.count(Trajectory.id))
+                .join(Trajectory, Trajectory.episode_id == Episode.id)
+                .where(Episode.run_id == run_id, Episode.group_id.in_(groups))
+                .group_by(Episode.group_id)
+            )
+            return aborted, {str(group): int(n) for group, n in made.all()}
+
     async def trajectory_count(self, episode_id: uuid.UUID) -> int:
         async with self.sessions() as session:
             count = await session.scalar(

@@ -228,6 +228,7 @@ class RunExecutor:
         self._main: asyncio.Task[None] | None = None
         self._stop_reason: str | None = None
         self._ending = False
+        self._ended = asyncio.Event()  # every episode recorded, the run's end handled
 
     # ---- control --------------------------------------------------------------------
 
@@ -296,9 +297,15 @@ class RunExecutor:
         await self._end(self.state, reason, record=False)
 
     async def wait(self) -> None:
+        """Until admission has ended; see `ended` for the end of the last episode too."""
         if self._main is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(self._main)
+
+    async def ended(self) -> None:
+        """Until the run has ended here: admission over and every episode recorded (a stop
+        cancels admission first, then waits for the live episodes)."""
+        await self._ended.wait()
 
     def _require_live(self) -> None:
         if self.state not in ("running", "paused"):
@@ -551,6 +558,7 @@ class RunExecutor:
         await asyncio.gather(*[t for t in self._live if t is not current], return_exceptions=True)
         if record:
             await self._set_status(state, error=reason if state == "failed" else None)
+        self._ended.set()
         if self.on_finish is not None:
             await self.on_finish(self)
 

@@ -19,7 +19,7 @@ from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.db.runs import RunStore
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import Conflict
+from agentflow.errors import Conflict, InvalidInput
 from agentflow.inference.base import (
     BroadcastReceiver,
     WeightGroup,
@@ -34,6 +34,7 @@ from agentflow.rollout.runtime_setup import (
     python_agent,
     whitebox_agent,
 )
+from agentflow.rollout.shards.coordinator import ShardedRun
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import UNLOADED, RunConfig
 
@@ -55,6 +56,7 @@ class RunManager:
         live: LiveEpisodes | None = None,
         metrics: GatewayMetrics | None = None,
         trainer_in_process: bool = False,
+        shard_options: dict[str, object] | None = None,
     ) -> None:
         self.turns = turns
         # The embedded trainer shares this process: after a crash it republishes its
@@ -66,7 +68,10 @@ class RunManager:
         self.metrics = metrics
         self.runtimes = runtimes
         self.settings = settings
-        self.executors: dict[uuid.UUID, RunExecutor] = {}
+        self.executors: dict[uuid.UUID, RunExecutor | ShardedRun] = {}
+        # What a sharded run's shards load besides the run (benchmarks, tests):
+        # `runtime_factory` and `preload`, see `ShardedRun`.
+        self.shard_options = dict(shard_options or {})
         self._streams: dict[uuid.UUID, DbTrajectoryStream] = {}
         self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._env_servers: dict[uuid.UUID, EnvServers] = {}  # placed as Ray actors
@@ -75,6 +80,7 @@ class RunManager:
         """Store a new run (linked to the registered envs it plays) and, with `start`,
         start it. An env entry that resolves to nothing is refused before anything is
         stored."""
+        self._check_shards(config)
         sources = await resolve_env_sources(self.sessions, config.envs)
         run_id = await self.runs.create(
             config.name,
@@ -96,6 +102,9 @@ class RunManager:
         """Build the run's engine and start admitting episodes."""
         if run_id in self.executors:
             raise Conflict(f"run {run_id} is already live")
+        if config.rollout.controllers > 1:
+            await self._start_sharded(run_id, config, paused=paused, sources=sources)
+            return
         try:
             if sources is None:
                 sources = await resolve_env_sources(self.sessions, config.envs)
@@ -136,6 +145,48 @@ class RunManager:
         self._streams[run_id] = executor.trajectory_stream()
         await executor.start(paused=paused)
 
+    def _check_shards(self, config: RunConfig) -> None:
+        bind = self.sessions.kw.get("bind")
+        if config.rollout.controllers > 1 and bind is not None and bind.dialect.name == "sqlite":
+            raise InvalidInput(
+                f"{config.rollout.controllers} controller shards write to one database at "
+                "once; SQLite has one writer at a time: serve from PostgreSQL",
+                field=("rollout", "controllers"),
+            )
+
+    async def _start_sharded(
+        self,
+        run_id: uuid.UUID,
+        config: RunConfig,
+        *,
+        paused: bool,
+        sources: list[EnvSource] | None,
+    ) -> None:
+        """The run's episodes played by `rollout.controllers` shard processes; this process
+        keeps its gate, admission, status and stream (`agentflow.rollout.shards`)."""
+        try:
+            self._check_shards(config)
+            if sources is None:
+                sources = await resolve_env_sources(self.sessions, config.envs)
+            run = ShardedRun(
+                run_id,
+                config,
+                turns=self.turns,
+                runs=self.runs,
+                sources=sources,
+                settings=self.settings,
+                on_finish=self._finished,
+                worker_options=self.shard_options,
+            )
+            self.executors[run_id] = run
+            self._streams[run_id] = run.trajectory_stream()
+            await run.start(paused=paused)
+        except Exception as exc:
+            self.executors.pop(run_id, None)
+            self._streams.pop(run_id, None)
+            await self._mark_failed(run_id, f"could not start: {type(exc).__name__}: {exc}")
+            raise
+
     async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
         """The run's trajectory stream; a finished run's stored config still serves one."""
         stream = self._streams.get(run_id)
@@ -171,7 +222,12 @@ class RunManager:
         await (await self._receiver(run_id)).join_weight_group(group)
 
     async def _receiver(self, run_id: uuid.UUID) -> BroadcastReceiver:
-        engine = (await self.live(run_id)).runtime.engine
+        executor = await self.live(run_id)
+        if isinstance(executor, ShardedRun):
+            raise Conflict(
+                f"run {run_id} is played by controller shards, which load weights from disk"
+            )
+        engine = executor.runtime.engine
         if not isinstance(engine, BroadcastReceiver):
             raise Conflict(
                 f"run {run_id}'s engine ({type(engine).__name__}) does not take broadcast "
@@ -200,7 +256,7 @@ class RunManager:
             agent.command, self.live_episodes, deadline_s=agent.deadline_s, reward=agent.reward
         )
 
-    async def live(self, run_id: uuid.UUID) -> RunExecutor:
+    async def live(self, run_id: uuid.UUID) -> RunExecutor | ShardedRun:
         """The run's executor, waiting for it if the run is restarting after a crash."""
         restart = self._restarting.get(run_id)
         if restart is not None:
@@ -210,7 +266,7 @@ class RunManager:
             raise Conflict(f"run {run_id} is not live in this gateway")
         return executor
 
-    async def _finished(self, executor: RunExecutor) -> None:
+    async def _finished(self, executor: RunExecutor | ShardedRun) -> None:
         self.executors.pop(executor.run_id, None)
         runtime = self.runtimes.remove(executor.run_id)
         if runtime is not None:

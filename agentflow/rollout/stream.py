@@ -196,9 +196,16 @@ class DbTrajectoryStream:
             if version is None:
                 raise NotFound(f"run {self.run_id} not found")
             bound = None if self.max_staleness is None else version - self.max_staleness
-            if bound is not None and self.stale_policy == "drop":
-                dropped, dropped_groups = await self._drop_stale(session, bound)
             fresh = await self._candidates(session, fresh=True, bound=bound)
+            if bound is not None and self.stale_policy == "drop":
+                # After the candidates: a group that ended since is dropped from too, so
+                # what is served and what is marked stale agree.
+                dropped, dropped_groups = await self._drop_stale(session, bound)
+                fresh = [
+                    row
+                    for row in fresh
+                    if row.min_weight_version is None or row.min_weight_version >= bound
+                ]
             chosen = _whole_groups(fresh, max_n)
             n_fresh = len(chosen)
             if len(chosen) < max_n and self.max_reuse > 1:
@@ -264,7 +271,17 @@ class DbTrajectoryStream:
 
     async def _drop_stale(self, session: Any, bound: int) -> tuple[int, int]:
         """Mark servable trajectories past the bound `stale`; returns how many, and the
-        groups wiped out."""
+        groups wiped out. Only groups whose episodes have all ended: a group still playing
+        may yet make a trajectory inside the bound, so whether it is wiped out (and
+        refunded to the gate) is known only then; it is not served before then anyway."""
+        sibling = _episodes.alias("sibling")
+        still_playing = (
+            select(sibling.c.id)
+            .where(sibling.c.run_id == self.run_id)
+            .where(sibling.c.group_id == _episodes.c.group_id)
+            .where(sibling.c.status.in_(OPEN_EPISODE_STATUSES))
+            .exists()
+        )
         stale = (
             await session.execute(
                 select(_trajectories.c.id, _episodes.c.group_id)
@@ -273,6 +290,7 @@ class DbTrajectoryStream:
                 .where(_trajectories.c.status == "ready")
                 .where(_trajectories.c.times_served == 0)
                 .where(_trajectories.c.min_weight_version < bound)
+                .where(~still_playing)
             )
         ).all()
         if not stale:
@@ -309,6 +327,7 @@ class DbTrajectoryStream:
                 _trajectories.c.times_served,
                 _trajectories.c.created_at,
                 _trajectories.c.lease_id,
+                _trajectories.c.min_weight_version,
             )
             .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
             .where(_trajectories.c.run_id == self.run_id)

@@ -1,0 +1,11 @@
+"""Registers the scripted env the shard tests play, in the test's process and, preloaded
+(`RunManager(shard_options={"preload": [...]})`), in each shard's."""
+
+from __future__ import annotations
+
+from envs import registry
+from tests.integration.rollout.scripted_envs import SlowEnv
+
+SHARD_ENV = "test/ShardSlow-v0"
+
+registry.register(SHARD_ENV, SlowEnv, replace=True)
