@@ -69,6 +69,7 @@ import pstats
 import random
 import re
 import sys
+import tempfile
 import time
 import tracemalloc
 import uuid
@@ -96,8 +97,16 @@ from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
 from agentflow.inference.pool import EnginePool
 from agentflow.rollout.envs import resolve_env_sources
 from agentflow.rollout.executor import RunExecutor
+from agentflow.rollout.shards.coordinator import ShardedRun
 from agentflow.rollout.stream import DbTrajectoryStream
-from agentflow.run_config import AgentConfig, EnvEntry, RolloutConfig, RunConfig, TrainerConfig
+from agentflow.run_config import (
+    AgentConfig,
+    EnvEntry,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    WeightsConfig,
+)
 from agentflow.tokenization.bytes import ByteTokenizer
 from agentflow.tokenization.chat import chat_template_for
 
@@ -238,13 +247,17 @@ class _Trained:
 
 async def trainer(
     stream: DbTrajectoryStream,
-    executor: RunExecutor,
+    executor: RunExecutor | ShardedRun,
     batch: int,
     train_s: float,
     log: list[_Trained],
     published: list[float],
+    *,
+    update: WeightUpdate | None = None,
 ) -> None:
-    """Lease a batch, train (sleep), publish the next version, acknowledge; until cancelled."""
+    """Lease a batch, train (sleep), publish the next version (`update`: in process by
+    default; controller shards load from a directory), acknowledge; until cancelled."""
+    update = update or WeightUpdate(state_dict={})
     while True:
         pulled: list[Any] = []
         while len(pulled) < batch:
@@ -253,7 +266,7 @@ async def trainer(
         stale = [s for t in pulled if (s := t.staleness(version)) is not None]
         log.append(_Trained(time.perf_counter(), stale))
         await asyncio.sleep(train_s)
-        await executor.update_weights(WeightUpdate(state_dict={}))
+        await executor.update_weights(update)
         published.append(time.perf_counter())
         leases: dict[str | None, list[uuid.UUID]] = {}
         for t in pulled:
@@ -665,6 +678,199 @@ async def run_level(
     )
 
 
+# ---- controller shards ----------------------------------------------------------------------
+# `--controllers N,...`: the same workload played by N controller shards
+# (`rollout.controllers = N`, `agentflow.rollout.shards`), each a process with its share
+# of the live episodes and of the simulated engines (`bench/scale_shard.py`); the
+# coordinator and the simulated trainer in this process. Measured the same way for every
+# N: turns played (env turn rows written in the window, from the database), the CPU of
+# every controller process (this one's and each shard's, from /proc) per turn, the cores
+# they used, PostgreSQL's, episode wall times, and the staleness of what the trainer
+# consumed. (The in-process controller above counts turns at the simulated env; the two
+# counts agree to within the turns in flight at the window's edges.) The shards' own
+# warnings go to their stderr, not to the tally.
+
+
+ROOT = Path(__file__).resolve().parent.parent  # the shards import bench.scale_shard
+
+
+@dataclass
+class ShardedResult:
+    level: int
+    controllers: int
+    window_s: float
+    played: int  # env turns written in the window
+    cpu_s: float  # every controller process: the coordinator's and each shard's
+    shard_cpu_s: float  # ... of which the shards'
+    db_cores: float | None
+    episode_s: list[float]
+    consumed: int
+    staleness: Counter[int]
+    max_staleness: int
+    logged: dict[str, int]
+    replaced: int
+
+    @property
+    def turns_per_s(self) -> float:
+        return self.played / self.window_s
+
+    @property
+    def cpu_ms_per_turn(self) -> float:
+        return 1000 * self.cpu_s / max(1, self.played)
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_s / self.window_s
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far (Linux)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat.rpartition(") ")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sharded_config(workload: Workload, level: int, controllers: int) -> RunConfig:
+    config = workload.config(level)
+    rollout = config.rollout.model_copy(update={"controllers": controllers})
+    document = config.model_dump(mode="json")
+    document["rollout"] = rollout.model_dump(mode="json")
+    document["weights"] = WeightsConfig(sync="disk").model_dump(mode="json")
+    return RunConfig.model_validate(document)  # the shard rules checked as for any run
+
+
+async def run_sharded_level(
+    level: int,
+    controllers: int,
+    workload: Workload,
+    url: str,
+    *,
+    warmup_s: float,
+    seconds: float,
+    max_warmup_s: float = 150.0,
+    progress: Callable[[str], None] = lambda line: None,
+) -> ShardedResult:
+    """`level` live episodes over `controllers` shard processes; see the module docstring."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )  # the shards import bench.scale_shard
+    db = create_engine(url)
+    sessions = session_factory(db)
+    turns = TurnTree(sessions)
+    runs = RunStore(sessions)
+    config = sharded_config(workload, level, controllers)
+    sources = await resolve_env_sources(sessions, config.envs)
+    run_id = await runs.create(config.name, config.model_dump(mode="json"), ())
+    run = ShardedRun(
+        run_id,
+        config,
+        turns=turns,
+        runs=runs,
+        sources=sources,
+        settings=Settings(database_url=url, secret_key="bench-scale-secret"),
+        worker_options={
+            "preload": ["bench.scale_shard"],
+            "runtime_factory": "bench.scale_shard:runtime",
+            "runtime_options": {
+                "engines": workload.engines,
+                "engine": dataclasses.asdict(workload.engine),
+            },
+        },
+    )
+    stream = run.trajectory_stream()
+    trained: list[_Trained] = []
+    published: list[float] = []
+    tally = LogTally()
+    logging.getLogger("agentflow").addHandler(tally)
+    weights = Path(tempfile.mkdtemp(prefix="scale-shards-"))  # simulated engines read nothing
+    await run.start()
+    batch = config.trainer.batch_episodes
+    update = WeightUpdate(path=str(weights))
+    training = asyncio.create_task(
+        trainer(stream, run, batch, workload.train_s, trained, published, update=update)
+    )
+    try:
+        began = time.perf_counter()
+        await asyncio.sleep(warmup_s)
+        while time.perf_counter() - began < max_warmup_s and (
+            not published or sum(run.counters.by_status.values()) < level
+        ):
+            await asyncio.sleep(0.5)
+        progress(
+            f"level {level}, {controllers} shards: warmed up after "
+            f"{time.perf_counter() - began:.0f} s"
+        )
+        pids = run.shard_pids()
+        start_at = datetime.now(UTC)
+        db0 = postgres_cpu_s()
+        start, own0 = time.perf_counter(), time.process_time()
+        shards0 = {pid: process_cpu_s(pid) for pid in pids}
+        await asyncio.sleep(seconds)
+        end, own1 = time.perf_counter(), time.process_time()
+        shards1 = {pid: process_cpu_s(pid) for pid in pids if pid in run.shard_pids()}
+        db1 = postgres_cpu_s()
+        end_at = datetime.now(UTC)
+    finally:
+        training.cancel()
+        await asyncio.gather(training, return_exceptions=True)
+        await run.stop("benchmark over")
+        logging.getLogger("agentflow").removeHandler(tally)
+    rows, _, _, episode_s = await _written(turns, run_id, start_at, end_at)
+    await db.dispose()
+    wall = end - start
+    shard_cpu = sum(shards1[pid] - shards0[pid] for pid in shards1)
+    staleness: Counter[int] = Counter()
+    inside = [t for t in trained if start <= t.at <= end]
+    for step in inside:
+        staleness.update(step.staleness)
+    return ShardedResult(
+        level=level,
+        controllers=controllers,
+        window_s=wall,
+        played=rows.get("env", 0),
+        cpu_s=(own1 - own0) + shard_cpu,
+        shard_cpu_s=shard_cpu,
+        db_cores=_postgres_delta(db0, db1, wall),
+        episode_s=episode_s,
+        consumed=sum(len(t.staleness) for t in inside),
+        staleness=staleness,
+        max_staleness=config.rollout.max_staleness,
+        logged=dict(tally.counts),
+        replaced=run.replacements,
+    )
+
+
+def sharded_report(results: Sequence[ShardedResult]) -> list[str]:
+    lines = [
+        "| episodes | shards | turns/s | ms CPU/turn (all controller processes) | cores "
+        "(shards) | PostgreSQL cores | episode p50 | consumed/s | staleness (bound) "
+        "| shards replaced | logged |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        db = "-" if r.db_cores is None else f"{r.db_cores:.2f}"
+        logged = ", ".join(f"{n}x {m[:60]}" for m, n in r.logged.items()) or "nothing"
+        lines.append(
+            f"| {r.level:,} | {r.controllers} | {r.turns_per_s:,.0f} | {r.cpu_ms_per_turn:.2f} "
+            f"| {r.cores:.2f} ({r.shard_cpu_s / r.window_s:.2f}) | {db} "
+            f"| {quantile(r.episode_s, 0.5):.1f} s | {r.consumed / r.window_s:,.0f} "
+            f"| {staleness_summary(r.staleness)} ({r.max_staleness}) | {r.replaced} | {logged} |"
+        )
+    by_level: dict[int, dict[int, ShardedResult]] = {}
+    for r in results:
+        by_level.setdefault(r.level, {})[r.controllers] = r
+    for level, by_count in by_level.items():
+        one = by_count.get(1)
+        for count, r in sorted(by_count.items()):
+            if one is not None and count != 1:
+                lines.append(
+                    f"\n{level:,} episodes, {count} shards against 1: CPU per turn "
+                    f"x{r.cpu_ms_per_turn / one.cpu_ms_per_turn:.2f}, turns/s "
+                    f"x{r.turns_per_s / max(1e-9, one.turns_per_s):.2f}"
+                )
+    return lines
+
+
 # ---- memory per live episode ----------------------------------------------------------------
 
 
@@ -979,6 +1185,12 @@ def main() -> None:
     parser.add_argument("--profile-out", default=None, help="also dump the pstats here")
     parser.add_argument("--skip-levels", action="store_true", help="only the profile")
     parser.add_argument(
+        "--controllers",
+        default="",
+        help="then each level again with this many controller shards each (e.g. 1,2): "
+        "processes that share the run (bench/scale_shards.py)",
+    )
+    parser.add_argument(
         "--memory",
         default="",
         help="levels at which to measure the memory a live episode holds (e.g. 1000,10000)",
@@ -1049,6 +1261,36 @@ def main() -> None:
         )
         print("\n".join(report(results)))
         print("\n" + verdict(results))
+    if args.controllers:
+        sharded = []
+        for level in levels:
+            for count in (int(x) for x in args.controllers.split(",") if x.strip()):
+                with database(args.database_url) as url:
+                    sharded.append(
+                        on_loop(
+                            args.loop,
+                            run_sharded_level(
+                                level,
+                                count,
+                                workload,
+                                url,
+                                warmup_s=args.warmup,
+                                seconds=args.seconds,
+                                max_warmup_s=args.max_warmup,
+                                progress=say,
+                            ),
+                        )
+                    )
+                r = sharded[-1]
+                say(
+                    f"level {level}, {count} shards: {r.turns_per_s:,.0f} turns/s, "
+                    f"{r.cores:.2f} cores, {r.cpu_ms_per_turn:.2f} ms CPU/turn"
+                )
+        print(
+            "\ncontroller shards (every controller process's CPU; turns counted from the "
+            "env turn rows written in the window):\n"
+        )
+        print("\n".join(sharded_report(sharded)))
     if args.memory:
         held = []
         for level in (int(x) for x in args.memory.split(",") if x.strip()):

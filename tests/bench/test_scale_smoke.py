@@ -17,7 +17,15 @@ from agentflow.db.turn_sql import episodes as episodes_table
 from agentflow.db.turn_sql import turns as turns_table
 from agentflow.inference.base import GenerateRequest, SamplingParams, SessionRef, WeightUpdate
 from agentflow.inference.pool import EnginePool
-from bench.scale import Workload, report, run, verdict
+from bench.scale import (
+    Workload,
+    on_loop,
+    report,
+    run,
+    run_sharded_level,
+    sharded_report,
+    verdict,
+)
 from bench.scale_sim import ENV_ID, EngineModel, SimEngine, register_env
 from envs import registry
 
@@ -72,6 +80,32 @@ def test_a_tiny_run_records_streams_and_reports(tmp_path: Path, registered: None
     assert lines[2].startswith("| 10 |") and lines[3].startswith("| 20 |")
     assert any(line.startswith("| 10 → 20 | x2 |") for line in lines)
     assert "concurrent episodes" in verdict(results)
+
+
+@pytest.mark.integration
+def test_a_tiny_sharded_level_plays_in_shard_processes_and_reports(
+    pg_database: str, registered: None
+) -> None:
+    """`--controllers`: the shards (processes with their share of the simulated engines)
+    play, the coordinator's trainer publishes through every shard, and the CPU counted is
+    that of every controller process."""
+    results = [
+        on_loop(
+            "asyncio",
+            run_sharded_level(
+                16, count, TINY, pg_database, warmup_s=0.5, seconds=2.0, max_warmup_s=10.0
+            ),
+        )
+        for count in (1, 2)
+    ]
+    for r in results:
+        assert r.played > 0 and r.consumed > 0
+        assert r.shard_cpu_s > 0 and r.cpu_s > r.shard_cpu_s  # shards' and the coordinator's
+        assert r.logged == {} and r.replaced == 0
+        assert max(r.staleness) <= r.max_staleness
+    lines = sharded_report(results)
+    assert lines[2].startswith("| 16 | 1 |") and lines[3].startswith("| 16 | 2 |")
+    assert "16 episodes, 2 shards against 1: CPU per turn x" in lines[-1]
 
 
 def _request(session_id: str, parent: str | None = None) -> GenerateRequest:

@@ -93,8 +93,9 @@ class ShardedRun:
         self.runs = runs
         self.settings = settings
         self.on_finish = on_finish
-        # For benchmarks and tests: `runtime_factory` ("pkg.mod:fn", fn(config, index) ->
-        # PolicyRuntime) and `preload` (modules imported first) in each shard.
+        # For benchmarks and tests: `runtime_factory` ("pkg.mod:fn", fn(config, index,
+        # count, **runtime_options) -> PolicyRuntime, built in a thread), `runtime_options`
+        # and `preload` (modules imported first) in each shard.
         self.worker_options = dict(worker_options or {})
         self.count = config.rollout.controllers
         self.state: RunState = "running"

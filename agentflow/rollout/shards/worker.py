@@ -112,6 +112,7 @@ class Shard:
         for module in spec.get("preload", ()):
             __import__(module)
         settings = Settings.model_validate(spec["settings"])
+        settings.apply_gc_threshold()  # as the gateway's process does
         config = shard_config(RunConfig.model_validate(spec["config"]), index, count)
         db = create_engine(settings.database_url, synchronous_commit=settings.db_synchronous_commit)
         runtime: PolicyRuntime | None = None
@@ -120,7 +121,9 @@ class Shard:
             turns = TurnTree(sessions, blob_store=blob_store_for(settings))
             runs = RunStore(sessions)
             sources = await resolve_env_sources(sessions, config.envs)
-            built: PolicyRuntime = await asyncio.to_thread(_runtime_factory(spec), config, index)
+            factory = _runtime_factory(spec)
+            options = dict(spec.get("runtime_options") or {})
+            built: PolicyRuntime = await asyncio.to_thread(factory, config, index, count, **options)
             runtime = built
             await load_newest_weights(runs, run_id, built, trainer_in_process=False)
             agent: Agent
@@ -157,7 +160,7 @@ class Shard:
 def _runtime_factory(spec: Message) -> Any:
     path = spec.get("runtime_factory")
     if not path:
-        return lambda config, index: build_runtime(config)
+        return lambda config, index, count: build_runtime(config)
     # Set by the gateway's own code (`RunManager(shard_options=...)`), never by a request.
     module, _, name = str(path).partition(":")
     return getattr(importlib.import_module(module), name)
@@ -206,7 +209,14 @@ def _die_with_parent() -> None:
 def main() -> None:
     _die_with_parent()
     fd = int(sys.argv[1])
-    sys.exit(asyncio.run(serve(fd)))
+    try:  # the event loop the gateway runs on (uvicorn's choice when it is installed)
+        import uvloop
+
+        loop_factory: Any = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        sys.exit(runner.run(serve(fd)))
 
 
 if __name__ == "__main__":
