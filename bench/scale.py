@@ -49,8 +49,13 @@ level have ended and the trainer has published, at most `--max-warmup` s.
 only) and prints the top functions and own time by package. `--gc-threshold` sets the
 cyclic garbage collector's thresholds, to see what it costs.
 
+`--controllers 1,2` then plays each level again with that many controller shards
+(`rollout.controllers`), processes that share the run, and prints their own table (see
+"controller shards" below).
+
     python bench/scale.py [--levels 100,1000,10000] [--seconds 30] [--warmup 15]
                           [--database-url URL] [--profile [--profile-level 10000]]
+                          [--controllers 1,2]
 """
 
 from __future__ import annotations
