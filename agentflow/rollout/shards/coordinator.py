@@ -268,7 +268,7 @@ class ShardedRun:
 
     async def _handle(self, shard: _Shard, op: str, message: Message) -> Message | None:
         if op == "admit":
-            return await self._admit(shard)
+            return await self._admit(shard, int(message.get("want", 1)))
         if op == "settled":
             ticket = shard.held.pop(str(message["group_id"]), None)
             if ticket is not None:
@@ -288,28 +288,42 @@ class ShardedRun:
             return None
         raise ValueError(f"unknown message {op!r}")
 
-    async def _admit(self, shard: _Shard) -> Message:
-        """A shard's next group: the run's own admission, one group at a time."""
+    async def _admit(self, shard: _Shard, want: int) -> Message:
+        """A shard's next groups, through the run's own admission: the first when the gate
+        lets it start, then up to `want` in all as long as the gate is open now. None (an
+        empty list) once the run has admitted its last group."""
         await self._unpaused.wait()
-        ticket = await self.admission.next_group()
-        if ticket is None:
-            self._exhausted = True
-            return {"ticket": None}
+        tickets: list[GroupTicket] = []
+        while len(tickets) < max(1, want):
+            if tickets and not (
+                self._unpaused.is_set() and (self.gate is None or self.gate.open())
+            ):
+                break
+            ticket = await self.admission.next_group()
+            if ticket is None:
+                self._exhausted = True
+                break
+            tickets.append(ticket)
         if shard.dead or self._ending:
-            # It never reached the shard: no episode of it exists.
-            await self.admission.group_settled(ticket, 0)
-            return {"ticket": None}
-        shard.held[ticket.group_id] = ticket
-        self.assignments[ticket.group_id] = shard.index
-        self.counters.groups += 1
-        self.counters.started += ticket.episodes
+            # They never reached the shard: no episode of them exists.
+            for ticket in tickets:
+                await self.admission.group_settled(ticket, 0)
+            return {"tickets": []}
+        for ticket in tickets:
+            shard.held[ticket.group_id] = ticket
+            self.assignments[ticket.group_id] = shard.index
+            self.counters.groups += 1
+            self.counters.started += ticket.episodes
         return {
-            "ticket": {
-                "group_id": ticket.group_id,
-                "source_index": ticket.source_index,
-                "task": ticket.task,
-                "episodes": ticket.episodes,
-            }
+            "tickets": [
+                {
+                    "group_id": t.group_id,
+                    "source_index": t.source_index,
+                    "task": t.task,
+                    "episodes": t.episodes,
+                }
+                for t in tickets
+            ]
         }
 
     def _count_episode(self, status: str, error: object) -> None:

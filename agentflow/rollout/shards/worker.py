@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import uuid
+from collections import deque
 from typing import Any
 
 from agentflow.agents.base import Agent, EpisodeOutcome
@@ -44,24 +45,37 @@ from agentflow.run_config import RunConfig, shard_config
 log = logging.getLogger("agentflow.rollout.shard")
 
 _PR_SET_PDEATHSIG = 1
+ADMIT_BATCH = 16  # groups one admission call may bring back
 
 
 class RemoteAdmission:
-    """Groups admitted by the run's coordinator (`GroupAdmission` over the line)."""
+    """Groups admitted by the run's coordinator (`GroupAdmission` over the line).
 
-    def __init__(self, peer: Peer) -> None:
+    One call asks for up to `batch` groups and gets at least one (waiting for the gate)
+    and as many more as the gate admits at once: a round trip per group would cap a busy
+    shard at one group per turn of its event loop. Groups handed over and not yet started
+    are the coordinator's to refund if this shard ends first."""
+
+    def __init__(self, peer: Peer, batch: int = ADMIT_BATCH) -> None:
         self.peer = peer
+        self.batch = batch
+        self._admitted: deque[GroupTicket] = deque()
+        self._exhausted = False
 
     async def next_group(self) -> GroupTicket | None:
-        ticket = (await self.peer.call("admit"))["ticket"]
-        if ticket is None:
-            return None
-        return GroupTicket(
-            group_id=str(ticket["group_id"]),
-            source_index=int(ticket["source_index"]),
-            task=dict(ticket["task"]),
-            episodes=int(ticket["episodes"]),
-        )
+        if not self._admitted and not self._exhausted:
+            tickets = (await self.peer.call("admit", want=self.batch))["tickets"]
+            self._admitted.extend(
+                GroupTicket(
+                    group_id=str(t["group_id"]),
+                    source_index=int(t["source_index"]),
+                    task=dict(t["task"]),
+                    episodes=int(t["episodes"]),
+                )
+                for t in tickets
+            )
+            self._exhausted = not tickets
+        return self._admitted.popleft() if self._admitted else None
 
     async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
         self.peer.tell("settled", group_id=ticket.group_id, trajectories=trajectories)

@@ -345,3 +345,5 @@ async def test_a_stop_reaches_every_shard_and_a_shutdown_leaves_no_shard(
     async with manager.sessions() as session:
         status = await session.scalar(select(Run.status).where(Run.id == halted_id))
     assert status == "running"  # a restart picks it up again
+    # Not this session's other gateways on the database, though.
+    await manager.runs.set_status(halted_id, "stopped")
