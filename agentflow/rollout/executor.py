@@ -74,6 +74,16 @@ class RunCounters:
     update_seconds: float = 0.0
     hook_errors: int = 0
 
+    def count_episode(self, status: str, error: str | None) -> None:
+        """An episode ended with `status`: a failure extends the run of failures, a
+        completed or truncated episode ends it."""
+        self.by_status[status] = self.by_status.get(status, 0) + 1
+        if status == "failed":
+            self.consecutive_failures += 1
+            self.last_error = error
+        elif status in ("completed", "truncated"):
+            self.consecutive_failures = 0
+
 
 @dataclass(frozen=True)
 class GroupTicket:
@@ -267,6 +277,10 @@ class RunExecutor:
         self.weight_version = point.version
         if self.gate is not None:
             self.gate.resume_from(point.version, point.groups_admitted, point.groups_taken)
+
+    def free_groups(self) -> int:
+        """Whole groups that could start now: free episode slots over the group size."""
+        return max(0, self._slots.limit - self._slots.held) // self.config.rollout.group_size
 
     async def _engine_slots(self) -> tuple[int, int]:
         info = await self.runtime.engine.info()
@@ -478,12 +492,7 @@ class RunExecutor:
     async def _complete(self, episode_id: uuid.UUID, outcome: EpisodeOutcome) -> int:
         """Record the outcome; returns how many trajectories it made."""
         counters = self.counters
-        counters.by_status[outcome.status] = counters.by_status.get(outcome.status, 0) + 1
-        if outcome.status == "failed":
-            counters.consecutive_failures += 1
-            counters.last_error = outcome.error
-        elif outcome.status in ("completed", "truncated"):
-            counters.consecutive_failures = 0
+        counters.count_episode(outcome.status, outcome.error)
         made = await self._record_outcome(episode_id, outcome)
         if self.on_episode is not None:
             self.on_episode(outcome, made)

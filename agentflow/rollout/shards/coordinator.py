@@ -114,6 +114,7 @@ class ShardedRun:
         self.shards: list[_Shard | None] = [None] * self.count
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._all_started = asyncio.Event()  # no group before every shard can play
         self._control = asyncio.Lock()  # updates, replacements and stops, one at a time
         self._watchers: set[asyncio.Task[None]] = set()
         self._ended = asyncio.Event()
@@ -137,6 +138,7 @@ class ShardedRun:
         except BaseException:
             await self._kill_all()
             raise
+        self._all_started.set()
 
     async def update_weights(self, update: WeightUpdate) -> int:
         """Switch every shard's engines to the weights at `update.path`, then record the
@@ -292,6 +294,7 @@ class ShardedRun:
         """A shard's next groups, through the run's own admission: the first when the gate
         lets it start, then up to `want` in all as long as the gate is open now. None (an
         empty list) once the run has admitted its last group."""
+        await self._all_started.wait()
         await self._unpaused.wait()
         tickets: list[GroupTicket] = []
         while len(tickets) < max(1, want):
@@ -328,12 +331,7 @@ class ShardedRun:
 
     def _count_episode(self, status: str, error: object) -> None:
         counters = self.counters
-        counters.by_status[status] = counters.by_status.get(status, 0) + 1
-        if status == "failed":
-            counters.consecutive_failures += 1
-            counters.last_error = None if error is None else str(error)
-        elif status in ("completed", "truncated"):
-            counters.consecutive_failures = 0
+        counters.count_episode(status, None if error is None else str(error))
         limit = self.config.rollout.max_consecutive_failures
         if counters.consecutive_failures >= limit and self.state in ("running", "paused"):
             reason = f"{limit} episodes failed in a row; last: {counters.last_error}"

@@ -21,6 +21,7 @@ import socket
 import sys
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from agentflow.agents.base import Agent, EpisodeOutcome
@@ -51,20 +52,24 @@ ADMIT_BATCH = 16  # groups one admission call may bring back
 class RemoteAdmission:
     """Groups admitted by the run's coordinator (`GroupAdmission` over the line).
 
-    One call asks for up to `batch` groups and gets at least one (waiting for the gate)
-    and as many more as the gate admits at once: a round trip per group would cap a busy
-    shard at one group per turn of its event loop. Groups handed over and not yet started
-    are the coordinator's to refund if this shard ends first."""
+    One call asks for as many groups as the shard could start now (`capacity()`, at most
+    `batch`) and gets at least one (waiting for the gate) and as many more as the gate
+    admits at once: a round trip per group would cap a busy shard at one group per turn of
+    its event loop, and more than it can start would sit idle while another shard waits.
+    Groups handed over and not yet started are the coordinator's to refund if this shard
+    ends first."""
 
     def __init__(self, peer: Peer, batch: int = ADMIT_BATCH) -> None:
         self.peer = peer
         self.batch = batch
+        self.capacity: Callable[[], int] = lambda: batch
         self._admitted: deque[GroupTicket] = deque()
         self._exhausted = False
 
     async def next_group(self) -> GroupTicket | None:
         if not self._admitted and not self._exhausted:
-            tickets = (await self.peer.call("admit", want=self.batch))["tickets"]
+            want = max(1, min(self.batch, self.capacity()))
+            tickets = (await self.peer.call("admit", want=want))["tickets"]
             self._admitted.extend(
                 GroupTicket(
                     group_id=str(t["group_id"]),
@@ -145,6 +150,7 @@ class Shard:
                 agent = python_agent(config)
             else:
                 agent = whitebox_agent(config, stream=index + 1)
+            admission = RemoteAdmission(peer)
             self.executor = RunExecutor(
                 run_id,
                 config,
@@ -155,10 +161,11 @@ class Shard:
                 agent=agent,
                 gateway_url="",
                 secret_key=settings.secret_key,
-                admission=RemoteAdmission(peer),
+                admission=admission,
                 on_episode=self.report,
                 owns_run=False,
             )
+            admission.capacity = self.executor.free_groups
             await self.executor.start(paused=bool(spec.get("paused")))
             peer.tell("ready")
             await self.executor.ended()

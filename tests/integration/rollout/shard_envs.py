@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from envs import registry
-from tests.integration.rollout.scripted_envs import SlowEnv
+from tests.integration.rollout.scripted_envs import BrokenEnv, SlowEnv
 
 SHARD_ENV = "test/ShardSlow-v0"
+BROKEN_SHARD_ENV = "test/ShardBroken-v0"
 
 registry.register(SHARD_ENV, SlowEnv, replace=True)
+registry.register(BROKEN_SHARD_ENV, BrokenEnv, replace=True)

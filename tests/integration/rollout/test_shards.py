@@ -36,7 +36,7 @@ from agentflow.modeling import ModelInit, build_model, save_model
 from agentflow.rollout.manager import RunManager
 from agentflow.rollout.shards.coordinator import ShardedRun
 from agentflow.run_config import RunConfig, shard_config
-from tests.integration.rollout.shard_envs import SHARD_ENV
+from tests.integration.rollout.shard_envs import BROKEN_SHARD_ENV, SHARD_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -347,3 +347,21 @@ async def test_a_stop_reaches_every_shard_and_a_shutdown_leaves_no_shard(
     assert status == "running"  # a restart picks it up again
     # Not this session's other gateways on the database, though.
     await manager.runs.set_status(halted_id, "stopped")
+
+
+async def test_failures_in_a_row_across_shards_fail_the_run(manager: RunManager) -> None:
+    config = _config(max_episodes=None, wait_for_trainer=False, max_consecutive_failures=6)
+    document = config.model_dump(mode="json")
+    document["envs"] = [{"id": BROKEN_SHARD_ENV, "max_concurrency": 6}]
+    run_id = await manager.create(RunConfig.model_validate(document))
+    run = manager.executors[run_id]
+    assert isinstance(run, ShardedRun)
+    async with asyncio.timeout(60):
+        await run.wait()
+    assert run.state == "failed"
+    assert run.counters.consecutive_failures >= 6
+    assert set(run.assignments.values()) == {0, 1}  # both shards played
+    async with manager.sessions() as session:
+        stored = (await session.execute(select(Run).where(Run.id == run_id))).scalar_one()
+    assert stored.status == "failed" and stored.error is not None
+    assert "6 episodes failed in a row" in stored.error and "the env crashed" in stored.error
