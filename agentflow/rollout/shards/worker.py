@@ -52,12 +52,14 @@ ADMIT_BATCH = 16  # groups one admission call may bring back
 class RemoteAdmission:
     """Groups admitted by the run's coordinator (`GroupAdmission` over the line).
 
-    One call asks for as many groups as the shard could start now (`capacity()`, at most
-    `batch`) and gets at least one (waiting for the gate) and as many more as the gate
-    admits at once: a round trip per group would cap a busy shard at one group per turn of
-    its event loop, and more than it can start would sit idle while another shard waits.
-    Groups handed over and not yet started are the coordinator's to refund if this shard
-    ends first."""
+    One call asks for as many groups as the shard could start now (`capacity()`, at least
+    one, at most `batch`) and gets at least one (waiting for the gate) and as many more as
+    the gate admits at once. When the last group at hand is handed out, the next call is
+    already sent, so the round trip (long when this shard's event loop is loaded) overlaps
+    the wait for free slots instead of adding to it. At most one call's groups wait here
+    beyond the one being started: more would sit idle while another shard waits. Groups
+    handed over and not yet started are the coordinator's to refund if this shard ends
+    first."""
 
     def __init__(self, peer: Peer, batch: int = ADMIT_BATCH) -> None:
         self.peer = peer
@@ -65,9 +67,24 @@ class RemoteAdmission:
         self.capacity: Callable[[], int] = lambda: batch
         self._admitted: deque[GroupTicket] = deque()
         self._exhausted = False
+        self._asking: asyncio.Task[None] | None = None
 
     async def next_group(self) -> GroupTicket | None:
-        if not self._admitted and not self._exhausted:
+        while not self._admitted and not self._exhausted:
+            await self._ask()
+        ticket = self._admitted.popleft() if self._admitted else None
+        if not self._admitted and not self._exhausted and self._asking is None:
+            self._asking = asyncio.create_task(self._ask())  # the next, meanwhile
+            # A failed call is raised by the next `next_group`'s own call, not from here.
+            self._asking.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return ticket
+
+    async def _ask(self) -> None:
+        """One admission call (joining the one under way, if any)."""
+        if self._asking is not None and asyncio.current_task() is not self._asking:
+            await asyncio.shield(self._asking)
+            return
+        try:
             want = max(1, min(self.batch, self.capacity()))
             tickets = (await self.peer.call("admit", want=want))["tickets"]
             self._admitted.extend(
@@ -80,10 +97,16 @@ class RemoteAdmission:
                 for t in tickets
             )
             self._exhausted = not tickets
-        return self._admitted.popleft() if self._admitted else None
+        finally:
+            if asyncio.current_task() is self._asking:
+                self._asking = None
 
     async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
         self.peer.tell("settled", group_id=ticket.group_id, trajectories=trajectories)
+
+    def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
 
 
 class Shard:
@@ -169,6 +192,7 @@ class Shard:
             await self.executor.start(paused=bool(spec.get("paused")))
             peer.tell("ready")
             await self.executor.ended()
+            admission.close()
             peer.tell("done")
             await peer.drain()
         finally:
