@@ -92,6 +92,7 @@ from agentflow.agents.runtime import PolicyRuntime
 from agentflow.agents.whitebox import WhiteBoxAgent
 from agentflow.config import Settings
 from agentflow.db import migrate
+from agentflow.db.group_commit import WaitHistogram
 from agentflow.db.runs import RunStore
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_sql import episodes as episodes_table
@@ -215,6 +216,8 @@ class LevelResult:
     logged: dict[str, int] = field(default_factory=dict)  # warnings and errors, by message
     statements: Counter[str] = field(default_factory=Counter)  # SQL sent in the window
     statement_s: Counter[str] = field(default_factory=Counter)  # ... their wall seconds
+    # How long writes waited for their group commit in the window, by kind (histograms).
+    write_waits: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def turns_per_s(self) -> float:
@@ -610,6 +613,7 @@ async def run_level(
         dropped_before = stream.counters.dropped_stale
         resubmitted_before = runtime.resubmitted
         start_at = datetime.now(UTC)
+        waits0 = turns.write_waits
         machine0, db0 = machine_busy_s(), postgres_cpu_s()
         with GcMeter() as collector, StatementTally(db) as sql:
             start, cpu0 = time.perf_counter(), time.process_time()
@@ -620,6 +624,7 @@ async def run_level(
                 profile.disable()
             end, cpu1 = time.perf_counter(), time.process_time()
         machine1, db1 = machine_busy_s(), postgres_cpu_s()
+        waits1 = turns.write_waits
         end_at = datetime.now(UTC)
         engine_after = _engine_totals(engines)
         env_after = dataclasses.replace(ENV_STATS)
@@ -666,6 +671,7 @@ async def run_level(
         staleness=staleness,
         lag_s=[s.lag_s for s in window],
         queued_turns=[s.queued_turns for s in window],
+        write_waits={k: [b - a for a, b in zip(waits0[k], waits1[k], strict=True)] for k in waits1},
         connections=[s.connections for s in window],
         ideal_turn_s=gen_s + env_s,
         gc_s=collector.seconds,
@@ -965,6 +971,14 @@ def staleness_summary(counts: Counter[int]) -> str:
     return f"{quantile(values, 0.5):.0f}/{quantile(values, 0.9):.0f}/{max(values)}"
 
 
+def _waits(counts: list[int] | None) -> str:
+    """p50/p99 of a wait histogram, in ms (each the upper edge of its doubling bucket)."""
+    if not counts or not sum(counts):
+        return "-"
+    p50, p99 = (WaitHistogram.quantile(counts, q) for q in (0.5, 0.99))
+    return f"<{1000 * (p50 or 0):,.0f}/<{1000 * (p99 or 0):,.0f}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -987,9 +1001,10 @@ def report(results: Sequence[LevelResult]) -> list[str]:
     lines += [
         "",
         "| episodes | loop lag p50/p99 ms | GC CPU (full) | SQL statements/turn "
-        "| turns queued to commit p50/max | connections p50/max | episode p50 s | versions "
+        "| turns queued to commit p50/max | a turn's write waits p50/p99 ms "
+        "| an episode's end waits p50/p99 ms | connections p50/max | episode p50 s | versions "
         "| machine / postgres cores |",
-        "|" + "---|" * 9,
+        "|" + "---|" * 11,
     ]
     for r in results:
         lag = f"{1000 * quantile(r.lag_s, 0.5):.0f}/{1000 * quantile(r.lag_s, 0.99):.0f}"
@@ -998,7 +1013,9 @@ def report(results: Sequence[LevelResult]) -> list[str]:
         conns = f"{quantile(r.connections, 0.5):.0f}/{max(r.connections, default=0)}"
         lines.append(
             f"| {r.level:,} | {lag} | {gc_share:.0%} ({r.gc_full}) "
-            f"| {sum(r.statements.values()) / max(1, r.played):.1f} | {queued} | {conns} "
+            f"| {sum(r.statements.values()) / max(1, r.played):.1f} | {queued} "
+            f"| {_waits(r.write_waits.get('turns'))} "
+            f"| {_waits(r.write_waits.get('episode_ends'))} | {conns} "
             f"| {quantile(r.episode_s, 0.5):.1f} | {r.versions} "
             f"| {_fmt(r.machine_cores, '.2f')} / {_fmt(r.db_cores, '.2f')} |"
         )

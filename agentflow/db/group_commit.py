@@ -17,6 +17,7 @@ items are not refused for a neighbour's mistake.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -24,6 +25,36 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 WriteBatch = Callable[[Sequence[Item]], Awaitable[Sequence[Result | Exception]]]
+
+# Upper edges (seconds) of the wait histogram's buckets; the last bucket is open.
+WAIT_EDGES_S: tuple[float, ...] = tuple(0.0005 * 2**i for i in range(18))  # 0.5 ms .. 65 s
+
+
+class WaitHistogram:
+    """How long calls waited for their write (queued, then written), in doubling buckets:
+    cheap per call, and two snapshots subtract to a window."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(WAIT_EDGES_S) + 1)
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(WAIT_EDGES_S, seconds)] += 1
+
+    def snapshot(self) -> list[int]:
+        return list(self.counts)
+
+    @staticmethod
+    def quantile(counts: Sequence[int], q: float) -> float | None:
+        """The upper edge of the bucket holding quantile `q` (inf for the open one)."""
+        total = sum(counts)
+        if not total:
+            return None
+        seen = 0
+        for index, count in enumerate(counts):
+            seen += count
+            if seen >= q * total:
+                return WAIT_EDGES_S[index] if index < len(WAIT_EDGES_S) else float("inf")
+        return float("inf")
 
 
 class GroupCommit(Generic[Item, Result]):
@@ -37,6 +68,7 @@ class GroupCommit(Generic[Item, Result]):
         self._max_batch = max_batch
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._drain_task: asyncio.Task[None] | None = None
+        self.waits = WaitHistogram()  # submit to commit, per call
 
     @property
     def queued(self) -> int:
@@ -46,7 +78,10 @@ class GroupCommit(Generic[Item, Result]):
     def submit(self, item: Item) -> asyncio.Future[Result]:
         """Queue `item` now (so items queued later are written after it); the future
         resolves once it is committed, or carries its own error."""
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+        submitted = loop.time()
+        future.add_done_callback(lambda _: self.waits.add(loop.time() - submitted))
         self._pending.append((item, future))
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = asyncio.create_task(self._drain())

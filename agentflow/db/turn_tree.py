@@ -255,6 +255,16 @@ class TurnTree:
         return [None] * len(batch)
 
     @property
+    def write_waits(self) -> dict[str, list[int]]:
+        """How long writes waited for their group commit, by kind: histogram counts over
+        `group_commit.WAIT_EDGES_S` so far (subtract two to get a window)."""
+        return {
+            "turns": self._turn_writes.waits.snapshot(),
+            "episode_creates": self._episode_creates.waits.snapshot(),
+            "episode_ends": self._episode_ends.waits.snapshot(),
+        }
+
+    @property
     def queued_writes(self) -> dict[str, int]:
         """Writes waiting for their group commit, by kind (the batches under way not counted)."""
         return {

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from agentflow.db.group_commit import GroupCommit
+from agentflow.db.group_commit import WAIT_EDGES_S, GroupCommit, WaitHistogram
 from agentflow.errors import InvalidInput
 from agentflow.types import NewTurn, TurnRecord
 
@@ -98,3 +98,28 @@ async def test_an_item_failed_by_the_batch_write_fails_alone() -> None:
     assert results[0] == 0 and results[2] == 20
     assert isinstance(results[1], InvalidInput) and str(results[3]) == "odd 3"
     assert calls == [[0, 1, 2, 3]]  # one batch: a per-item error is not a failed write
+
+
+async def test_each_call_s_wait_is_counted_in_its_bucket() -> None:
+    store = FakeStore(delay=0.02)
+    commit: GroupCommit[NewTurn, None] = GroupCommit(store.write)
+    before = commit.waits.snapshot()
+    await asyncio.gather(*(commit.add(turn()) for _ in range(3)), commit.add(turn((13,))),
+                         return_exceptions=True)  # fmt: skip
+    waited = [b - a for a, b in zip(before, commit.waits.snapshot(), strict=True)]
+    assert sum(waited) == 4  # refused calls waited too
+    # At least the 20 ms write: nothing in the buckets below 16 ms.
+    assert sum(waited[: WAIT_EDGES_S.index(0.016) + 1]) == 0
+    p50 = WaitHistogram.quantile(waited, 0.5)
+    assert p50 is not None and 0.02 <= p50 <= 0.256
+
+
+def test_quantiles_are_bucket_edges_and_none_without_calls() -> None:
+    histogram = WaitHistogram()
+    assert WaitHistogram.quantile(histogram.snapshot(), 0.5) is None
+    for seconds in (0.0001, 0.0001, 0.003, 100.0):
+        histogram.add(seconds)
+    counts = histogram.snapshot()
+    assert WaitHistogram.quantile(counts, 0.5) == 0.0005
+    assert WaitHistogram.quantile(counts, 0.75) == 0.004
+    assert WaitHistogram.quantile(counts, 1.0) == float("inf")
