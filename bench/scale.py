@@ -262,13 +262,19 @@ async def trainer(
     published: list[float],
     *,
     update: WeightUpdate | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Lease a batch, train (sleep), publish the next version (`update`: in process by
-    default; controller shards load from a directory), acknowledge; until cancelled."""
+    default; controller shards load from a directory), acknowledge; until `stop` is set
+    (checked between database calls: a call cancelled halfway can leave an aiosqlite
+    connection waiting for an answer that never comes) or until cancelled."""
     update = update or WeightUpdate(state_dict={})
-    while True:
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
         pulled: list[Any] = []
         while len(pulled) < batch:
+            if stop.is_set():
+                return  # what it leased goes back when its lease expires
             pulled += await stream.pull(batch - len(pulled), timeout=1.0)
         version = executor.weight_version
         stale = [s for t in pulled if (s := t.staleness(version)) is not None]
@@ -281,6 +287,16 @@ async def trainer(
             leases.setdefault(t.lease_id, []).append(t.id)
         for lease_id, ids in leases.items():
             await stream.ack(ids, lease_id=lease_id)
+
+
+async def _end_training(training: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """Ask the simulated trainer to stop between database calls; cancel it only if it
+    has not within 30 s (a pull waits at most 1 s, a step `train_s`)."""
+    stop.set()
+    done, _ = await asyncio.wait({training}, timeout=30.0)
+    if not done:
+        training.cancel()
+    await asyncio.gather(training, return_exceptions=True)
 
 
 def live_episodes(executor: RunExecutor) -> int:
@@ -591,10 +607,11 @@ async def run_level(
     logging.getLogger("agentflow").addHandler(tally)
     await executor.start()
     batch = config.trainer.batch_episodes
-    tasks = [
-        asyncio.create_task(trainer(stream, executor, batch, workload.train_s, trained, published)),
-        asyncio.create_task(watch_loop(executor, turns, db, samples)),
-    ]
+    stop_training = asyncio.Event()
+    training = asyncio.create_task(
+        trainer(stream, executor, batch, workload.train_s, trained, published, stop=stop_training)
+    )
+    tasks = [training, asyncio.create_task(watch_loop(executor, turns, db, samples))]
     try:
         # The first wave of episodes all start at once, at version 0: measure once as many
         # episodes as the level have ended (each slot has turned over) and the trainer has
@@ -634,6 +651,7 @@ async def run_level(
         dropped = stream.counters.dropped_stale - dropped_before
         resubmitted = runtime.resubmitted - resubmitted_before
     finally:
+        await _end_training(training, stop_training)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -797,8 +815,18 @@ async def run_sharded_level(
     await run.start()
     batch = config.trainer.batch_episodes
     update = WeightUpdate(path=str(weights))
+    stop_training = asyncio.Event()
     training = asyncio.create_task(
-        trainer(stream, run, batch, workload.train_s, trained, published, update=update)
+        trainer(
+            stream,
+            run,
+            batch,
+            workload.train_s,
+            trained,
+            published,
+            update=update,
+            stop=stop_training,
+        )
     )
     try:
         began = time.perf_counter()
@@ -822,8 +850,7 @@ async def run_sharded_level(
         db1 = postgres_cpu_s()
         end_at = datetime.now(UTC)
     finally:
-        training.cancel()
-        await asyncio.gather(training, return_exceptions=True)
+        await _end_training(training, stop_training)
         await run.stop("benchmark over")
         logging.getLogger("agentflow").removeHandler(tally)
     rows, _, _, episode_s = await _written(turns, run_id, start_at, end_at)
@@ -1128,15 +1155,29 @@ def database(url: str | None) -> Iterator[str]:
     yield url
 
 
-def on_loop(kind: str, coro: Any) -> Any:
-    """Run `coro` on a fresh event loop of `kind` (`asyncio` or `uvloop`)."""
+def on_loop(kind: str, coro: Any, *, timeout_s: float | None = None) -> Any:
+    """Run `coro` on a fresh event loop of `kind` (`asyncio` or `uvloop`). Past
+    `timeout_s` every task's stack is printed to stderr and TimeoutError raised (the
+    smoke tests' guard against a run that never ends)."""
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     if kind == "uvloop":
         import uvloop
 
         factory = uvloop.new_event_loop
+
+    async def bounded() -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(main := asyncio.ensure_future(coro)),
+                                          timeout_s)  # fmt: skip
+        except TimeoutError:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.print_stack(file=sys.stderr)
+            main.cancel()
+            raise
+
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+        return runner.run(bounded() if timeout_s is not None else coro)
 
 
 def memory_lines(held: Sequence[HeldMemory]) -> list[str]:
@@ -1165,6 +1206,7 @@ def run(
     loop: str = "asyncio",
     profile: cProfile.Profile | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    timeout_s: float | None = None,
 ) -> LevelResult:
     """`run_level` on a fresh event loop of kind `loop` (`asyncio` or `uvloop`)."""
     return on_loop(
@@ -1179,6 +1221,7 @@ def run(
             profile=profile,
             progress=progress,
         ),
+        timeout_s=timeout_s,
     )
 
 

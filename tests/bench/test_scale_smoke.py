@@ -62,7 +62,8 @@ def test_a_tiny_run_records_streams_and_reports(tmp_path: Path, registered: None
     url = f"sqlite+aiosqlite:///{tmp_path / 'scale.db'}"
     migrate.upgrade(url)
     results = [
-        run(level, TINY, url, warmup_s=0.5, seconds=2.0, max_warmup_s=5.0) for level in (10, 20)
+        run(level, TINY, url, warmup_s=0.5, seconds=2.0, max_warmup_s=5.0, timeout_s=120)
+        for level in (10, 20)
     ]
 
     for r in results:
@@ -95,6 +96,7 @@ def test_a_tiny_sharded_level_plays_in_shard_processes_and_reports(
             run_sharded_level(
                 16, count, TINY, pg_database, warmup_s=0.5, seconds=2.0, max_warmup_s=10.0
             ),
+            timeout_s=120,
         )
         for count in (1, 2)
     ]
