@@ -99,10 +99,11 @@ from agentflow.db.turn_sql import episodes as episodes_table
 from agentflow.db.turn_sql import trajectories as trajectories_table
 from agentflow.db.turn_sql import turns as turns_table
 from agentflow.db.turn_tree import TurnTree
-from agentflow.inference.base import PauseMode, SamplingParams, WeightUpdate
+from agentflow.inference.base import WeightUpdate
 from agentflow.inference.pool import EnginePool
 from agentflow.rollout.envs import resolve_env_sources
 from agentflow.rollout.executor import RunExecutor
+from agentflow.rollout.runtime_setup import policy_runtime
 from agentflow.rollout.shards.coordinator import ShardedRun
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import (
@@ -185,8 +186,28 @@ class Workload:
         )
 
 
+class _Window:
+    """Rates over a measured window: turns played, the CPU seconds they cost."""
+
+    played: int
+    window_s: float
+    cpu_s: float
+
+    @property
+    def turns_per_s(self) -> float:
+        return self.played / self.window_s
+
+    @property
+    def cpu_ms_per_turn(self) -> float:
+        return 1000 * self.cpu_s / max(1, self.played)
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_s / self.window_s
+
+
 @dataclass
-class LevelResult:
+class LevelResult(_Window):
     level: int
     engines: int
     window_s: float
@@ -218,18 +239,6 @@ class LevelResult:
     statement_s: Counter[str] = field(default_factory=Counter)  # ... their wall seconds
     # How long writes waited for their group commit in the window, by kind (histograms).
     write_waits: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def turns_per_s(self) -> float:
-        return self.played / self.window_s
-
-    @property
-    def cpu_ms_per_turn(self) -> float:
-        return 1000 * self.cpu_s / max(1, self.played)
-
-    @property
-    def cores(self) -> float:
-        return self.cpu_s / self.window_s
 
     @property
     def rows_per_s(self) -> float:
@@ -540,22 +549,9 @@ async def build_controller(level: int, workload: Workload, url: str) -> Controll
     )
     engines = [SimEngine(workload.engine, seed=i) for i in range(workload.engines)]
     pool = EnginePool(engines)
-    template = chat_template_for(ByteTokenizer())
     # As `RunManager` builds a run's runtime and white-box agent.
-    runtime = PolicyRuntime(
-        pool,
-        template,
-        config.name,
-        SamplingParams(
-            temperature=config.agent.temperature,
-            max_new_tokens=config.agent.max_new_tokens,
-            stop_token_ids=template.stop_ids,
-        ),
-        workload.engine.max_context,
-        partial_rollout=config.rollout.partial_rollout,
-        interrupt=PauseMode(config.rollout.interrupt),
-        history=config.model.chat_history,
-    )
+    template = chat_template_for(ByteTokenizer())
+    runtime = policy_runtime(config, pool, template, workload.engine.max_context)
     agent = WhiteBoxAgent(
         park_after_s=config.rollout.park_after_s,
         system_prompt=config.agent.system_prompt,
@@ -724,7 +720,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the shards import bench.scale_s
 
 
 @dataclass
-class ShardedResult:
+class ShardedResult(_Window):
     level: int
     controllers: int
     window_s: float
@@ -738,18 +734,6 @@ class ShardedResult:
     max_staleness: int
     logged: dict[str, int]
     replaced: int
-
-    @property
-    def turns_per_s(self) -> float:
-        return self.played / self.window_s
-
-    @property
-    def cpu_ms_per_turn(self) -> float:
-        return 1000 * self.cpu_s / max(1, self.played)
-
-    @property
-    def cores(self) -> float:
-        return self.cpu_s / self.window_s
 
 
 def process_cpu_s(pid: int) -> float:

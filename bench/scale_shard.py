@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentflow.agents.runtime import PolicyRuntime
-from agentflow.inference.base import PauseMode, SamplingParams
 from agentflow.inference.pool import EnginePool
+from agentflow.rollout.runtime_setup import policy_runtime
 from agentflow.run_config import RunConfig
 from agentflow.tokenization.bytes import ByteTokenizer
 from agentflow.tokenization.chat import chat_template_for
@@ -24,18 +24,4 @@ def runtime(
     mine = engines // count + (1 if index < engines % count else 0)
     model = EngineModel(**engine)
     pool = EnginePool([SimEngine(model, seed=index * 100_000 + i) for i in range(max(1, mine))])
-    template = chat_template_for(ByteTokenizer())
-    return PolicyRuntime(
-        pool,
-        template,
-        config.name,
-        SamplingParams(
-            temperature=config.agent.temperature,
-            max_new_tokens=config.agent.max_new_tokens,
-            stop_token_ids=template.stop_ids,
-        ),
-        model.max_context,
-        partial_rollout=config.rollout.partial_rollout,
-        interrupt=PauseMode(config.rollout.interrupt),
-        history=config.model.chat_history,
-    )
+    return policy_runtime(config, pool, chat_template_for(ByteTokenizer()), model.max_context)

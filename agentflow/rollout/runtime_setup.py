@@ -26,6 +26,7 @@ from agentflow.inference.base import (
 from agentflow.metrics import GatewayMetrics
 from agentflow.plugins import load_function
 from agentflow.run_config import RunConfig
+from agentflow.tokenization.chat import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +47,23 @@ def build_runtime(config: RunConfig) -> PolicyRuntime:
         engine, max_context = place_engines(config)
     else:
         engine, max_context = build_engine(config)
-    sampling = SamplingParams(
-        temperature=config.agent.temperature,
-        max_new_tokens=config.agent.max_new_tokens,
-        stop_token_ids=template.stop_ids,
-    )
+    return policy_runtime(config, engine, template, max_context)
+
+
+def policy_runtime(
+    config: RunConfig, engine: Engine, template: ChatTemplate, max_context: int
+) -> PolicyRuntime:
+    """The runtime of `config`'s agent over `engine` (its sampling, partial rollout,
+    interrupt mode and chat history)."""
     return PolicyRuntime(
         engine,
         template,
         config.name,
-        sampling,
+        SamplingParams(
+            temperature=config.agent.temperature,
+            max_new_tokens=config.agent.max_new_tokens,
+            stop_token_ids=template.stop_ids,
+        ),
         max_context,
         partial_rollout=config.rollout.partial_rollout,
         interrupt=PauseMode(config.rollout.interrupt),

@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import PG_ADMIN_URL
 from tests.e2e.test_split_trainer import _config
+from tests.e2e.test_split_trainer_gateway_restart import _tail
 from tests.integration.test_gateway_crash import _wait, gateway_process
 from tests.integration.test_serve import _free_port
 from tests.support.scratch_db import scratch_database
@@ -55,10 +56,6 @@ def shard_pids(gateway_pid: int) -> list[int]:
         if parent == gateway_pid and WORKER in command:
             found.append(int(entry.name))
     return sorted(found)
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    return f"--- {path.name} ---\n{path.read_text(errors='replace')[-n:]}\n"
 
 
 def test_a_two_shard_run_trains_through_a_killed_shard(fresh_pg: str, tmp_path: Path) -> None:
