@@ -26,7 +26,7 @@ import tenacity
 
 from agentflow.api.schemas.common import Page
 from agentflow.api.schemas.envs import EnvCreate, EnvPublic, EnvUpdate
-from agentflow.api.schemas.runs import EpisodePublic, RunPublic
+from agentflow.api.schemas.runs import EpisodePublic, RunDetail, RunPublic
 from agentflow.errors import (
     AgentFlowError,
     CapacityExceeded,
@@ -37,7 +37,7 @@ from agentflow.errors import (
     Unauthorized,
 )
 from agentflow.inference.base import BroadcastWeights, WeightGroup
-from agentflow.run_config import RunConfig
+from agentflow.run_config import EnvMixChange, RunConfig
 from agentflow.types import Trajectory
 
 T = TypeVar("T")
@@ -165,8 +165,19 @@ class _Endpoints:
         return _Call("GET", "/v1/runs", Page[RunPublic].model_validate, params=params)
 
     @staticmethod
-    def get_run(run_id: uuid.UUID | str) -> _Call[RunPublic]:
-        return _Call("GET", f"/v1/runs/{run_id}", RunPublic.model_validate)
+    def get_run(run_id: uuid.UUID | str) -> _Call[RunDetail]:
+        return _Call("GET", f"/v1/runs/{run_id}", RunDetail.model_validate)
+
+    @staticmethod
+    def change_run_envs(
+        run_id: uuid.UUID | str, change: EnvMixChange | dict[str, Any]
+    ) -> _Call[RunDetail]:
+        body = (
+            change.model_dump(mode="json", exclude_none=True)
+            if isinstance(change, EnvMixChange)
+            else change
+        )
+        return _Call("PATCH", f"/v1/runs/{run_id}", RunDetail.model_validate, json=body)
 
     @staticmethod
     def get_episode(episode_id: uuid.UUID | str) -> _Call[dict[str, Any]]:
@@ -327,8 +338,15 @@ class Client:
     ) -> Page[RunPublic]:
         return self._send(_Endpoints.list_runs(status, limit, offset, name))
 
-    def get_run(self, run_id: uuid.UUID | str) -> RunPublic:
+    def get_run(self, run_id: uuid.UUID | str) -> RunDetail:
+        """The run, with its env mix now and the mix's revisions."""
         return self._send(_Endpoints.get_run(run_id))
+
+    def change_run_envs(
+        self, run_id: uuid.UUID | str, change: EnvMixChange | dict[str, Any]
+    ) -> RunDetail:
+        """Change a live run's env mix (`PATCH /v1/runs/{id}`, docs/runs.md)."""
+        return self._send(_Endpoints.change_run_envs(run_id, change))
 
     def get_episode(self, episode_id: uuid.UUID | str) -> dict[str, Any]:
         return self._send(_Endpoints.get_episode(episode_id))
@@ -472,8 +490,15 @@ class AsyncClient:
     ) -> Page[RunPublic]:
         return await self._send(_Endpoints.list_runs(status, limit, offset, name))
 
-    async def get_run(self, run_id: uuid.UUID | str) -> RunPublic:
+    async def get_run(self, run_id: uuid.UUID | str) -> RunDetail:
+        """The run, with its env mix now and the mix's revisions."""
         return await self._send(_Endpoints.get_run(run_id))
+
+    async def change_run_envs(
+        self, run_id: uuid.UUID | str, change: EnvMixChange | dict[str, Any]
+    ) -> RunDetail:
+        """Change a live run's env mix (`PATCH /v1/runs/{id}`, docs/runs.md)."""
+        return await self._send(_Endpoints.change_run_envs(run_id, change))
 
     async def get_episode(self, episode_id: uuid.UUID | str) -> dict[str, Any]:
         return await self._send(_Endpoints.get_episode(episode_id))

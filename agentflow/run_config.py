@@ -28,6 +28,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -257,7 +258,9 @@ class EnvEntry(_Section):
         max_length=264,
         description="a built-in id (`namespace/Name-vN`) or a registered env `name[@version]`",
     )
-    weight: float = Field(default=1.0, gt=0, description="share of episodes in the mix")
+    weight: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="share of episodes in the mix"
+    )
     max_concurrency: Int64 = Field(default=64, ge=1, le=100_000, description="live episodes cap")
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -283,6 +286,50 @@ class EnvEntry(_Section):
                     "whose settings are its stored spec"
                 )
         return value
+
+
+class EnvPatch(_Section):
+    """One env of a mix change: added when the mix lacks it, else its fields as given."""
+
+    id: str = Field(min_length=1, max_length=264, description="as in `envs[].id`")
+    weight: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="new share (added: 1.0)"
+    )
+    max_concurrency: Int64 | None = Field(
+        default=None, ge=1, le=100_000, description="new live episodes cap (added: 64)"
+    )
+    kwargs: dict[str, Any] | None = Field(
+        default=None, description="a built-in env's arguments (only when it is added)"
+    )
+    reward: PluginPath | None = Field(default=None, description="as in `envs[].reward`")
+
+
+class EnvMixChange(_Section):
+    """A change of a live run's env mix (`PATCH /v1/runs/{id}`): either the whole new mix
+    (`envs`), or edits of the current one (`set`, then `remove`). It applies to the groups
+    admitted after it; episodes in flight finish in the env they started in."""
+
+    revision: Int32 | None = Field(
+        default=None,
+        ge=0,
+        description="the mix revision this change was made against: refused (409) when "
+        "the run's mix has moved past it; without it, changes apply in the order they come",
+    )
+    envs: list[EnvEntry] | None = Field(
+        default=None, min_length=1, max_length=1000, description="the whole new mix"
+    )
+    set: list[EnvPatch] = Field(default_factory=list, max_length=1000)
+    remove: list[Annotated[str, Field(min_length=1, max_length=264)]] = Field(
+        default_factory=list, max_length=1000, description="ids to take out of the mix"
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> EnvMixChange:
+        if self.envs is not None and (self.set or self.remove):
+            raise ValueError("send either the whole mix (envs) or edits (set, remove), not both")
+        if self.envs is None and not self.set and not self.remove:
+            raise ValueError("nothing to change: give envs, set or remove")
+        return self
 
 
 class AgentConfig(_Section):
@@ -1229,3 +1276,18 @@ def load_run_config(path: str | Path) -> RunConfig:
                 raise ValueError(f"{path}: not JSON: {exc}") from None
             return RunConfig.model_validate(document)
         return RunConfig.model_validate(tomllib.load(fh))
+
+
+def with_envs(config: RunConfig, envs: list[EnvEntry]) -> RunConfig:
+    """`config` with another env mix, checked whole as a new run's config is (a teacher
+    that names an env the mix lost, a cap that gives a controller shard no episode, ...):
+    InvalidInput naming the field."""
+    document = config.model_dump(mode="json")
+    document["envs"] = [e.model_dump(mode="json") for e in envs]
+    try:
+        return RunConfig.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise InvalidInput(
+            f"the run with this mix: {error['msg']}", field=tuple(str(p) for p in error["loc"])
+        ) from None

@@ -168,7 +168,7 @@ async def _train(
     try:
         async with contextlib.AsyncExitStack() as serving:
             if ui_port is not None:
-                app = create_dashboard_app(settings, turns, runtimes)
+                app = create_dashboard_app(settings, turns, runtimes, manager)
                 dashboard = await serving.enter_async_context(LoopServer(app, "127.0.0.1", ui_port))
                 print(f"dashboard: http://127.0.0.1:{dashboard.port}/ui", flush=True)
             return await _train_run(config, directory, engine, manager)

@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         weights,
     ):
         app.include_router(module.router)
+    app.include_router(runs.controls)
     # The dashboard: its page and assets, and the JSON its pages read (`agentflow.ui`).
     for router in ui.routers:
         app.include_router(router)

@@ -90,9 +90,28 @@ class Run(Base):
     config: Mapped[dict[str, Any]] = mapped_column(StorableJSON)
     status: Mapped[str] = mapped_column(String(16), index=True, default="pending")
     weight_version: Mapped[int] = mapped_column(Integer, default=0)
+    # The revision of the env mix `config["envs"]` holds (0: as created); each change is
+    # a `RunEnvRevision`. Changed only where it still holds the revision the change saw.
+    env_revision: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     error: Mapped[str | None] = mapped_column(StorableText, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class RunEnvRevision(Base):
+    """One revision of a run's env mix: the entries, the weight version the run served
+    when it took effect (the groups admitted after it follow it), when, and who made it."""
+
+    __tablename__ = "run_env_revisions"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    revision: Mapped[int] = mapped_column(Integer, primary_key=True)
+    envs: Mapped[list[dict[str, Any]]] = mapped_column(StorableJSON)
+    weight_version: Mapped[int] = mapped_column(Integer)
+    changed_by: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class RunEnvironment(Base):

@@ -18,11 +18,20 @@ from typing import Any
 from sqlalchemy import String, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from agentflow.db.models import Episode, Run, RunEnvironment, Trajectory, WeightVersion
-from agentflow.errors import NotFound
+from agentflow.db.models import (
+    Episode,
+    Run,
+    RunEnvironment,
+    RunEnvRevision,
+    Trajectory,
+    WeightVersion,
+)
+from agentflow.errors import Conflict, NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES
 
 LIVE_RUN_STATUSES = ("running", "paused")
+ENDED_RUN_STATUSES = ("stopped", "finished", "failed")
+CREATED_BY = "created"  # who made a run's first mix: whoever created the run
 # The uri of a version a trainer handed over as tensors in its own process: its weights
 # are nowhere on disk, so only that trainer (from its checkpoint) can bring them back.
 IN_PROCESS_URI = "inprocess"
@@ -54,6 +63,19 @@ class StoredRun:
     status: str
     config: dict[str, Any]
     weight_version: int
+    env_revision: int = 0
+
+
+@dataclass(frozen=True)
+class EnvRevision:
+    """One revision of a run's env mix: `envs` (the config's entries) in effect from
+    `created_at`, when the run served `weight_version`."""
+
+    revision: int
+    envs: list[dict[str, Any]]
+    weight_version: int
+    changed_by: str
+    created_at: datetime
 
 
 class RunStore:
@@ -65,12 +87,13 @@ class RunStore:
     ) -> uuid.UUID:
         """A new pending run, linked to the registered envs it plays."""
         async with self.sessions.begin() as session:
-            run = Run(name=name, config=config, status="pending")
+            run = Run(name=name, config=config, status="pending", env_revision=0)
             session.add(run)
             await session.flush()
             session.add_all(
                 RunEnvironment(run_id=run.id, environment_id=e) for e in set(environment_ids)
             )
+            session.add(_first_revision(run))
             return run.id
 
     async def get(self, run_id: uuid.UUID) -> StoredRun:
@@ -98,6 +121,84 @@ class RunStore:
 
     async def fail(self, run_id: uuid.UUID, error: str) -> None:
         await self.set_status(run_id, "failed", error=error)
+
+    # ---- the env mix ----------------------------------------------------------------
+
+    async def env_revisions(self, run_id: uuid.UUID) -> list[EnvRevision]:
+        """The run's env mix revisions, oldest first (the last is in effect)."""
+        async with self.sessions() as session:
+            run = await session.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"run {run_id} not found")
+            rows = list(
+                await session.scalars(
+                    select(RunEnvRevision)
+                    .where(RunEnvRevision.run_id == run_id)
+                    .order_by(RunEnvRevision.revision)
+                )
+            )
+            if not rows:  # a run created before revisions were kept: its mix as created
+                rows = [_first_revision(run)]
+            return [
+                EnvRevision(r.revision, list(r.envs), r.weight_version, r.changed_by, r.created_at)
+                for r in rows
+            ]
+
+    async def revise_envs(
+        self,
+        run_id: uuid.UUID,
+        *,
+        seen: int,
+        config: dict[str, Any],
+        weight_version: int,
+        changed_by: str,
+        environment_ids: Iterable[uuid.UUID] = (),
+    ) -> EnvRevision:
+        """Store `config` (its `envs` changed) as revision `seen + 1` of the run's mix, in
+        one transaction, where the run still holds revision `seen` and has not ended:
+        of two changes made against the same revision one is stored, the other refused
+        (`Conflict`), so no mix is ever one that neither asked for. Links the registered
+        envs the new mix plays."""
+        now = _now()
+        async with self.sessions.begin() as session:
+            run = await session.get(Run, run_id, with_for_update=True)
+            if run is None:
+                raise NotFound(f"run {run_id} not found")
+            if run.status in ENDED_RUN_STATUSES:
+                raise Conflict(f"run {run_id} is {run.status}: its env mix cannot change")
+            if run.env_revision != seen:
+                raise Conflict(
+                    f"run {run_id}'s env mix is at revision {run.env_revision}, not {seen}: "
+                    "read it again and send the change against that revision"
+                )
+            if seen == 0 and await session.get(RunEnvRevision, (run_id, 0)) is None:
+                session.add(_first_revision(run))  # a run created before revisions were kept
+            changed = await session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.env_revision == seen)
+                .values(config=config, env_revision=seen + 1, updated_at=now)
+            )
+            if getattr(changed, "rowcount", 1) != 1:  # another writer got there first
+                raise Conflict(f"run {run_id}'s env mix changed meanwhile: read it again")
+            revision = RunEnvRevision(
+                run_id=run_id,
+                revision=seen + 1,
+                envs=list(config["envs"]),
+                weight_version=weight_version,
+                changed_by=changed_by,
+                created_at=now,
+            )
+            session.add(revision)
+            linked = set(
+                await session.scalars(
+                    select(RunEnvironment.environment_id).where(RunEnvironment.run_id == run_id)
+                )
+            )
+            session.add_all(
+                RunEnvironment(run_id=run_id, environment_id=e)
+                for e in set(environment_ids) - linked
+            )
+        return EnvRevision(seen + 1, list(config["envs"]), weight_version, changed_by, now)
 
     # ---- weight versions ------------------------------------------------------------
 
@@ -241,7 +342,20 @@ class RunStore:
 
 
 def _stored(run: Run) -> StoredRun:
-    return StoredRun(run.id, run.name, run.status, dict(run.config), run.weight_version)
+    return StoredRun(
+        run.id, run.name, run.status, dict(run.config), run.weight_version, run.env_revision or 0
+    )
+
+
+def _first_revision(run: Run) -> RunEnvRevision:
+    return RunEnvRevision(
+        run_id=run.id,
+        revision=0,
+        envs=list(run.config.get("envs") or ()),
+        weight_version=0,
+        changed_by=CREATED_BY,
+        created_at=run.created_at or _now(),
+    )
 
 
 def _now() -> datetime:

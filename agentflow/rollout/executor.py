@@ -51,6 +51,7 @@ from agentflow.plugins import EpisodeEvent, RewardInput, call, load_function
 from agentflow.rollout.elastic import ElasticLimit, ElasticPool
 from agentflow.rollout.envs import EnvSource
 from agentflow.rollout.gate import StalenessGate
+from agentflow.rollout.lanes import EnvLane, EnvLanes, LanePlan
 from agentflow.rollout.mix import SourceMix
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
@@ -87,11 +88,12 @@ class RunCounters:
 
 @dataclass(frozen=True)
 class GroupTicket:
-    """One admitted group: which env, which task, how many episodes (`group_size`, fewer
-    for the last group of a run that stops at `max_episodes`)."""
+    """One admitted group: which env (its lane's key, `agentflow.rollout.lanes`), which
+    task, how many episodes (`group_size`, fewer for the last group of a run that stops
+    at `max_episodes`)."""
 
     group_id: str
-    source_index: int
+    env: str
     task: dict[str, object]
     episodes: int
 
@@ -114,13 +116,20 @@ class LocalAdmission:
     """The run's admission decided here: the staleness gate, the env mix's next pick, a
     seeded task, and `rollout.max_episodes`. A group with no trajectory is refunded."""
 
-    def __init__(self, config: RunConfig, weights: list[float], gate: StalenessGate | None) -> None:
+    def __init__(
+        self, config: RunConfig, mix: list[tuple[str, float]], gate: StalenessGate | None
+    ) -> None:
         self.gate = gate
         self.group_size = config.rollout.group_size
         self.max_episodes = config.rollout.max_episodes
         self.granted = 0  # episodes in the groups admitted so far
-        self._mix = SourceMix(weights)
         self._rng = random.Random(config.seed)
+        self.set_mix(mix)
+
+    def set_mix(self, mix: list[tuple[str, float]]) -> None:
+        """The next groups come from `mix` (lane key, weight); the task sequence goes on."""
+        self._keys = [key for key, _ in mix]
+        self._mix = SourceMix([weight for _, weight in mix])
 
     @property
     def exhausted(self) -> bool:
@@ -135,9 +144,9 @@ class LocalAdmission:
         if self.max_episodes is not None:
             episodes = min(episodes, self.max_episodes - self.granted)
         self.granted += episodes
-        source_index = self._mix.pick()
+        env = self._keys[self._mix.pick()]
         task: dict[str, object] = {"seed": self._rng.randrange(2**31)}
-        return GroupTicket(uuid.uuid4().hex, source_index, task, episodes)
+        return GroupTicket(uuid.uuid4().hex, env, task, episodes)
 
     async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
         if trajectories == 0 and self.gate is not None:
@@ -189,16 +198,12 @@ class RunExecutor:
         self.turns = turns
         self.runs = runs or RunStore(turns.sessions)
         self.runtime = runtime
-        self.sources = sources
         self.agent = agent
         self.gateway_url = gateway_url
         self.secret_key = secret_key
         self.on_finish = on_finish
-        # `sources` are `config.envs` resolved, in order: entry i's reward scores source i.
-        self._rewards = [
-            None if e.reward is None else load_function(e.reward, field=("envs", str(i), "reward"))
-            for i, e in enumerate(config.envs)
-        ]
+        # `sources` are `config.envs` resolved, in order.
+        self.lanes = EnvLanes(config.envs, sources)
         self._hooks = [
             (path, load_function(path, field=("rollout", "hooks", str(i))))
             for i, path in enumerate(config.rollout.hooks)
@@ -219,7 +224,7 @@ class RunExecutor:
                 # A group's trajectories, RTPO's re-rolls included: the trainer's unit.
                 group_size=config.samples_per_group(),
             )
-        self.admission = admission or LocalAdmission(config, [s.weight for s in sources], self.gate)
+        self.admission = admission or LocalAdmission(config, self.lanes.mix, self.gate)
         first = min(rollout.max_concurrency, max(rollout.min_concurrency, 64))
         self._slots = ElasticLimit(first if rollout.elastic else rollout.max_concurrency)
         self.pool: ElasticPool | None = None
@@ -232,7 +237,6 @@ class RunExecutor:
                 generating=runtime.load.take_mean,
             )
         self.weight_version = 0
-        self._env_slots = [asyncio.Semaphore(s.max_concurrency) for s in sources]
         self._live: set[asyncio.Task[None]] = set()  # one per episode, never cancelled
         self._agents: set[asyncio.Task[EpisodeOutcome]] = set()  # cancelled on a stop
         self._main: asyncio.Task[None] | None = None
@@ -266,6 +270,20 @@ class RunExecutor:
         if self.gate is not None:
             await self.gate.advance(version)
         return version
+
+    def prepare_envs(self, config: RunConfig, sources: list[EnvSource]) -> LanePlan:
+        """`config`'s env mix (`sources`, its entries resolved) checked and ready for
+        `apply_envs`."""
+        self._require_live()
+        return self.lanes.prepare(config.envs, sources)
+
+    async def apply_envs(self, config: RunConfig, plan: LanePlan) -> None:
+        """The groups admitted from now on come from `plan`'s mix; the groups admitted
+        before play on in their envs (`agentflow.rollout.lanes`)."""
+        self.config = self.config.model_copy(update={"envs": list(plan.entries)})
+        self.lanes.apply(plan)
+        if isinstance(self.admission, LocalAdmission):
+            self.admission.set_mix(self.lanes.mix)
 
     def trajectory_stream(self) -> DbTrajectoryStream:
         """The run's trajectory stream, wired to this scheduler's gate."""
@@ -339,7 +357,7 @@ class RunExecutor:
                 for _ in range(ticket.episodes):
                     await self._unpaused.wait()
                     await self._slots.acquire()
-                    await self._env_slots[ticket.source_index].acquire()
+                    await self.lanes[ticket.env].slots.acquire()
                     self.counters.started += 1
                     group.started += 1
                     episode = asyncio.create_task(self._play(group))
@@ -359,12 +377,9 @@ class RunExecutor:
     async def _play(self, group: _Group) -> None:
         """One episode, start to record. Never cancelled itself: a stop cancels only the
         agent's task, so creating and completing the episode always run to the end."""
-        source_index, task, group_id = (
-            group.ticket.source_index,
-            group.ticket.task,
-            group.ticket.group_id,
-        )
-        source = self.sources[source_index]
+        task, group_id = group.ticket.task, group.ticket.group_id
+        lane = self.lanes[group.ticket.env]
+        source = lane.source
         episode_id: uuid.UUID | None = None
         try:
             episode_id = await self.turns.create_episode(
@@ -389,10 +404,10 @@ class RunExecutor:
             outcome = EpisodeOutcome("failed", None, f"{type(exc).__name__}: {exc}")
         finally:
             self._slots.release()
-            self._env_slots[source_index].release()
+            lane.slots.release()
         made = 0
         if episode_id is not None:
-            outcome = await self._rescore(episode_id, source_index, task, outcome)
+            outcome = await self._rescore(episode_id, lane, task, outcome)
             made = await self._complete(episode_id, outcome)
             group.trajectories += made
         group.finished += 1
@@ -442,16 +457,16 @@ class RunExecutor:
     async def _rescore(
         self,
         episode_id: uuid.UUID,
-        source_index: int,
+        lane: EnvLane,
         task: dict[str, object],
         outcome: EpisodeOutcome,
     ) -> EpisodeOutcome:
         """The env entry's reward function, if any, replaces a finished episode's reward;
         one that raises or returns no finite number fails the episode, naming itself."""
-        reward_fn = self._rewards[source_index]
+        reward_fn = lane.reward
         if reward_fn is None or outcome.status not in ("completed", "truncated"):
             return outcome
-        entry = self.config.envs[source_index]
+        entry = lane.entry
         try:
             leaves = outcome.leaf_turn_ids
             if leaves is None:

@@ -17,7 +17,7 @@ from agentflow.agents.blackbox.http_agent import HttpAgent
 from agentflow.agents.blackbox.live import LiveEpisodes
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
-from agentflow.db.runs import RunStore
+from agentflow.db.runs import ENDED_RUN_STATUSES, EnvRevision, RunStore
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import Conflict, InvalidInput
 from agentflow.inference.base import (
@@ -28,6 +28,7 @@ from agentflow.inference.base import (
 from agentflow.metrics import GatewayMetrics
 from agentflow.rollout.envs import EnvSource, resolve_env_sources
 from agentflow.rollout.executor import RunExecutor, run_stream
+from agentflow.rollout.mix import blame, revise_mix
 from agentflow.rollout.runtime_setup import (
     build_runtime,
     load_newest_weights,
@@ -36,7 +37,7 @@ from agentflow.rollout.runtime_setup import (
 )
 from agentflow.rollout.shards.coordinator import ShardedRun
 from agentflow.rollout.stream import DbTrajectoryStream
-from agentflow.run_config import UNLOADED, RunConfig
+from agentflow.run_config import UNLOADED, EnvMixChange, RunConfig, with_envs
 
 if TYPE_CHECKING:
     from agentflow.placement.env_servers import EnvServers
@@ -75,6 +76,7 @@ class RunManager:
         self._streams: dict[uuid.UUID, DbTrajectoryStream] = {}
         self._restarting: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._env_servers: dict[uuid.UUID, EnvServers] = {}  # placed as Ray actors
+        self._mix_changes: dict[uuid.UUID, asyncio.Lock] = {}  # one change at a time per run
 
     async def create(self, config: RunConfig, *, start: bool = True) -> uuid.UUID:
         """Store a new run (linked to the registered envs it plays) and, with `start`,
@@ -186,6 +188,62 @@ class RunManager:
             self._streams.pop(run_id, None)
             await self._mark_failed(run_id, f"could not start: {type(exc).__name__}: {exc}")
             raise
+
+    async def change_envs(
+        self, run_id: uuid.UUID, change: EnvMixChange, *, changed_by: str
+    ) -> EnvRevision:
+        """Change a run's env mix: checked whole (as a new run's config would be), stored
+        as its next revision, then in effect for the groups admitted next. Changes to one
+        run apply one at a time, in the order they come; one made against a revision the
+        mix has moved past is refused (`EnvMixChange.revision`), as is any change to a run
+        that has ended."""
+        lock = self._mix_changes.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            restart = self._restarting.get(run_id)
+            if restart is not None:
+                await asyncio.shield(restart)
+            stored = await self.runs.get(run_id)
+            if stored.status in ENDED_RUN_STATUSES:
+                raise Conflict(f"run {run_id} is {stored.status}: its env mix cannot change")
+            if change.revision is not None and change.revision != stored.env_revision:
+                raise Conflict(
+                    f"run {run_id}'s env mix is at revision {stored.env_revision}, not "
+                    f"{change.revision}: read it again and send the change against that"
+                )
+            if run_id in self._env_servers:
+                raise Conflict(
+                    f"run {run_id}'s envs are served by env-server actors, placed when it "
+                    "started: stop it and start a run with the new mix"
+                )
+            current = RunConfig.model_validate(stored.config)
+            entries = revise_mix(current.envs, change)
+            try:
+                config = with_envs(current, entries)
+                sources = await resolve_env_sources(self.sessions, config.envs)
+                executor = self.executors.get(run_id)
+                plan = None if executor is None else executor.prepare_envs(config, sources)
+            except InvalidInput as exc:
+                raise InvalidInput(exc.message, field=blame(change, entries, exc.field)) from None
+            revision = await self.runs.revise_envs(
+                run_id,
+                seen=stored.env_revision,
+                config=config.model_dump(mode="json"),
+                weight_version=stored.weight_version
+                if executor is None
+                else executor.weight_version,
+                changed_by=changed_by,
+                environment_ids=(s.environment_id for s in sources if s.environment_id),
+            )
+            if executor is not None and plan is not None:
+                await executor.apply_envs(config, plan)
+            log.info(
+                "run %s: env mix revision %d by %s: %s",
+                run_id,
+                revision.revision,
+                changed_by,
+                ", ".join(f"{e.id}={e.weight:g}" for e in config.envs),
+            )
+            return revision
 
     async def stream(self, run_id: uuid.UUID) -> DbTrajectoryStream:
         """The run's trajectory stream; a finished run's stored config still serves one."""

@@ -5,21 +5,33 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Request, status
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 
 from agentflow.api.deps import API_KEY, RunManagerDep, SessionDep
 from agentflow.api.routing import GatewayRoute
 from agentflow.api.schemas.common import Page
-from agentflow.api.schemas.runs import EpisodePublic, RunPublic, RunStatus
+from agentflow.api.schemas.runs import (
+    EnvRevisionPublic,
+    EpisodePublic,
+    RunDetail,
+    RunPublic,
+    RunStatus,
+)
 from agentflow.db.models import Episode, Run
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.integers import Int32, Int64
-from agentflow.run_config import RunConfig
+from agentflow.rollout.manager import RunManager
+from agentflow.run_config import EnvMixChange, RunConfig
 from agentflow.types import EpisodeStatus
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=GatewayRoute, dependencies=API_KEY)
+# A run's own page and controls: what `agentflow train --ui-port` also serves for the run
+# it trains (the rest, creating runs among it, belongs to the gateway alone).
+controls = APIRouter(
+    prefix="/v1/runs", tags=["runs"], route_class=GatewayRoute, dependencies=API_KEY
+)
 
 
 async def _get(session: SessionDep, run_id: uuid.UUID) -> Run:
@@ -70,9 +82,41 @@ async def list_runs(
     return {"items": list(rows), "total": total or 0, "limit": limit, "offset": offset}
 
 
-@router.get("/{run_id}", response_model=RunPublic)
-async def get_run(run_id: uuid.UUID, session: SessionDep) -> Run:
-    return await _get(session, run_id)
+@controls.get("/{run_id}", response_model=RunDetail)
+async def get_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> RunDetail:
+    """The run, with its env mix now and the mix's revisions."""
+    return await run_detail(await _get(session, run_id), manager)
+
+
+@controls.patch("/{run_id}", response_model=RunDetail)
+async def change_run_envs(
+    run_id: uuid.UUID,
+    change: EnvMixChange,
+    request: Request,
+    session: SessionDep,
+    manager: RunManagerDep,
+) -> RunDetail:
+    """Change the run's env mix (add, remove, reweight, recap): stored as its next
+    revision, in effect for the groups admitted after it (docs/runs.md, "Changing the
+    mix of a live run")."""
+    await _get(session, run_id)
+    client = request.client.host if request.client is not None else "unknown"
+    try:
+        await manager.change_envs(run_id, change, changed_by=f"api from {client}")
+    except InvalidInput as exc:
+        raise InvalidInput(exc.message, field=("body", *exc.field)) from None
+    return await run_detail(await _fresh(session, run_id), manager)
+
+
+async def run_detail(run: Run, manager: RunManager) -> RunDetail:
+    revisions = await manager.runs.env_revisions(run.id)
+    return RunDetail.model_validate(
+        {
+            **RunPublic.model_validate(run).model_dump(),
+            "envs": list(run.config.get("envs") or ()),
+            "env_revisions": [EnvRevisionPublic.model_validate(r) for r in revisions],
+        }
+    )
 
 
 @router.get("/{run_id}/episodes", response_model=Page[EpisodePublic])
@@ -94,21 +138,21 @@ async def list_run_episodes(
     return {"items": list(rows), "total": total or 0, "limit": limit, "offset": offset}
 
 
-@router.post("/{run_id}/pause", response_model=RunPublic)
+@controls.post("/{run_id}/pause", response_model=RunPublic)
 async def pause_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
     await _get(session, run_id)
     await (await manager.live(run_id)).pause()
     return await _fresh(session, run_id)
 
 
-@router.post("/{run_id}/resume", response_model=RunPublic)
+@controls.post("/{run_id}/resume", response_model=RunPublic)
 async def resume_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
     await _get(session, run_id)
     await (await manager.live(run_id)).resume()
     return await _fresh(session, run_id)
 
 
-@router.post("/{run_id}/stop", response_model=RunPublic)
+@controls.post("/{run_id}/stop", response_model=RunPublic)
 async def stop_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> Run:
     await _get(session, run_id)
     await (await manager.live(run_id)).stop("stopped through the API")

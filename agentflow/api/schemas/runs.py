@@ -18,10 +18,32 @@ class RunPublic(BaseModel):
     name: str
     status: str
     weight_version: int
+    env_revision: int = 0
     config: dict[str, Any]
     error: str | None
     created_at: datetime
     updated_at: datetime
+
+
+class EnvRevisionPublic(BaseModel):
+    """One revision of a run's env mix: in effect from `created_at`, when the run served
+    `weight_version`, made by `changed_by`."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    revision: int
+    envs: list[dict[str, Any]]
+    weight_version: int
+    changed_by: str
+    created_at: datetime
+
+
+class RunDetail(RunPublic):
+    """A run with its env mix now (`envs`, revision `env_revision`) and every revision
+    the mix has had, oldest first."""
+
+    envs: list[dict[str, Any]]
+    env_revisions: list[EnvRevisionPublic]
 
 
 class EpisodePublic(BaseModel):

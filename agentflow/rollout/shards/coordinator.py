@@ -46,6 +46,7 @@ from agentflow.rollout.executor import (
     run_stream,
 )
 from agentflow.rollout.gate import StalenessGate
+from agentflow.rollout.lanes import EnvLanes, LanePlan
 from agentflow.rollout.shards.wire import Message, Peer, RemoteError, ShardLost
 from agentflow.rollout.stream import DbTrajectoryStream
 from agentflow.run_config import RunConfig
@@ -108,7 +109,9 @@ class ShardedRun:
                 batch_episodes=config.trainer.batch_episodes,
                 group_size=config.samples_per_group(),
             )
-        self.admission = LocalAdmission(config, [s.weight for s in sources], self.gate)
+        # The shards play the lanes; here they key the mix and check its reward functions.
+        self.lanes = EnvLanes(config.envs, sources)
+        self.admission = LocalAdmission(config, self.lanes.mix, self.gate)
         self.assignments: dict[str, int] = {}  # group id -> the shard index that played it
         self.replacements = 0
         self.shards: list[_Shard | None] = [None] * self.count
@@ -170,6 +173,19 @@ class ShardedRun:
         if self.gate is not None:
             await self.gate.advance(version)
         return version
+
+    def prepare_envs(self, config: RunConfig, sources: list[EnvSource]) -> LanePlan:
+        self._require_live()
+        return self.lanes.prepare(config.envs, sources)
+
+    async def apply_envs(self, config: RunConfig, plan: LanePlan) -> None:
+        """Every shard switches to `config`'s mix before the next group is admitted from
+        it; a shard started later (a replacement) starts from it."""
+        async with self._control:
+            self.config = config
+            await self._tell_all("envs", config=config.model_dump(mode="json"))
+            self.lanes.apply(plan)
+            self.admission.set_mix(self.lanes.mix)
 
     def trajectory_stream(self) -> DbTrajectoryStream:
         return run_stream(self.turns, self.run_id, self.config, gate=self.gate)
@@ -321,7 +337,7 @@ class ShardedRun:
             "tickets": [
                 {
                     "group_id": t.group_id,
-                    "source_index": t.source_index,
+                    "env": t.env,
                     "task": t.task,
                     "episodes": t.episodes,
                 }

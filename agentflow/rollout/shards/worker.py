@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
 from agentflow.agents.base import Agent, EpisodeOutcome
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.config import Settings
@@ -90,7 +92,7 @@ class RemoteAdmission:
             self._admitted.extend(
                 GroupTicket(
                     group_id=str(t["group_id"]),
-                    source_index=int(t["source_index"]),
+                    env=str(t["env"]),
                     task=dict(t["task"]),
                     episodes=int(t["episodes"]),
                 )
@@ -114,6 +116,8 @@ class Shard:
         self.spec: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self.executor: RunExecutor | None = None
         self.peer: Peer | None = None
+        self.sessions: async_sessionmaker[AsyncSession] | None = None
+        self.place = (0, 1)  # this shard's index, and how many the run has
 
     async def handle(self, op: str, message: Message) -> Message | None:
         if op == "spec":
@@ -131,6 +135,9 @@ class Shard:
             version = await executor.runtime.update_weights(update)
             executor.weight_version = version
             return {"version": version}
+        if op == "envs":
+            await self._change_envs(executor, RunConfig.model_validate(message["config"]))
+            return None
         if op == "pause":
             await executor.pause()
         elif op == "resume":
@@ -142,6 +149,13 @@ class Shard:
         else:
             raise ValueError(f"unknown request {op!r}")
         return None
+
+    async def _change_envs(self, executor: RunExecutor, config: RunConfig) -> None:
+        """The run's new mix, with this shard's share of each env's cap."""
+        assert self.sessions is not None
+        share = shard_config(config, *self.place)
+        sources = await resolve_env_sources(self.sessions, share.envs)
+        await executor.apply_envs(share, executor.prepare_envs(share, sources))
 
     def report(self, outcome: EpisodeOutcome, made: int) -> None:
         assert self.peer is not None
@@ -160,6 +174,7 @@ class Shard:
         runtime: PolicyRuntime | None = None
         try:
             sessions = session_factory(db)
+            self.sessions, self.place = sessions, (index, count)
             turns = TurnTree(sessions, blob_store=blob_store_for(settings))
             runs = RunStore(sessions)
             sources = await resolve_env_sources(sessions, config.envs)

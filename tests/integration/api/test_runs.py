@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from agentflow.api.schemas.runs import RunPublic
 from agentflow.client import AsyncClient
 from agentflow.db.models import Run
 from agentflow.errors import Conflict, InvalidInput, NotFound
@@ -31,7 +32,12 @@ async def test_create_get_list(api: AsyncClient) -> None:
     assert run.status == "pending" and run.weight_version == 0
     assert run.config["trainer"]["lr"] == 1e-3
     assert run.config["rollout"]["max_staleness"] == 2  # defaults are stored explicitly
-    assert (await api.get_run(run.id)) == run
+    detail = await api.get_run(run.id)
+    assert RunPublic.model_validate(detail.model_dump()) == run
+    assert detail.envs == run.config["envs"] and detail.env_revision == 0
+    (first,) = detail.env_revisions  # the mix as created
+    assert (first.revision, first.envs) == (0, run.config["envs"])
+    assert first.changed_by == "created"
     assert run.id in [r.id for r in (await api.list_runs(status="pending", limit=500)).items]
     with pytest.raises(NotFound):
         await api.get_run(uuid.uuid4())
