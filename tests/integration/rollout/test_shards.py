@@ -35,8 +35,8 @@ from agentflow.inference.base import WeightUpdate
 from agentflow.modeling import ModelInit, build_model, save_model
 from agentflow.rollout.manager import RunManager
 from agentflow.rollout.shards.coordinator import ShardedRun
-from agentflow.run_config import RunConfig, shard_config
-from tests.integration.rollout.shard_envs import BROKEN_SHARD_ENV, SHARD_ENV
+from agentflow.run_config import EnvMixChange, RunConfig, shard_config
+from tests.integration.rollout.shard_envs import BROKEN_SHARD_ENV, SHARD_ENV, SHARD_ENV_B
 
 pytestmark = pytest.mark.integration
 
@@ -365,3 +365,35 @@ async def test_failures_in_a_row_across_shards_fail_the_run(manager: RunManager)
         stored = (await session.execute(select(Run).where(Run.id == run_id))).scalar_one()
     assert stored.status == "failed" and stored.error is not None
     assert "6 episodes failed in a row" in stored.error and "the env crashed" in stored.error
+
+
+async def test_a_mix_change_reaches_every_shard(manager: RunManager) -> None:
+    run_id = await manager.create(_config(max_episodes=None, wait_for_trainer=False))
+    run = manager.executors[run_id]
+    assert isinstance(run, ShardedRun)
+    async with asyncio.timeout(60):
+        while await _count(manager, run_id) < 8:
+            await asyncio.sleep(0.01)
+    entry = {"id": SHARD_ENV_B, "kwargs": {"delay": 0.02, "steps": 2}, "max_concurrency": 6}
+    change = EnvMixChange.model_validate({"envs": [entry]})
+    revision = await manager.change_envs(run_id, change, changed_by="test")
+    assert revision.revision == 1
+    admitted_before = set(run.assignments)  # every group admitted under the old mix is here
+    async with asyncio.timeout(60):
+        while await _count(manager, run_id) < 2 * (len(admitted_before) + 8):
+            await asyncio.sleep(0.02)
+    await run.stop("stopped by the test")
+    async with manager.sessions() as session:
+        rows = (
+            await session.execute(
+                select(Episode.group_id, Episode.env_ref).where(Episode.run_id == run_id)
+            )
+        ).all()
+    envs_of: dict[str, set[str]] = {}
+    for group_id, env_ref in rows:
+        envs_of.setdefault(str(group_id), set()).add(env_ref)
+    assert all(len(envs) == 1 for envs in envs_of.values())  # groups whole, in one env
+    later = set(envs_of) - admitted_before
+    assert len(later) >= 8
+    assert all(envs_of[g] == {SHARD_ENV_B} for g in later), "a group admitted later played A"
+    assert {run.assignments[g] for g in later} == {0, 1}, "both shards play the new env"
