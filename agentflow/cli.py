@@ -349,3 +349,74 @@ def runs_show(run_id: str, url: UrlOpt = DEFAULT_URL, api_key: KeyOpt = None) ->
             print_json(client.get_run(run_id))
     except AgentFlowError as exc:
         raise fail(exc) from None
+
+
+def _pairs(values: list[str], option: str, kind: type[float] | type[int]) -> list[tuple[str, Any]]:
+    """`ID=VALUE` options, split at the last `=`; a bad one exits 1 naming it."""
+    pairs = []
+    for value in values:
+        env_id, sep, number = value.rpartition("=")
+        try:
+            if not sep or not env_id:
+                raise ValueError
+            pairs.append((env_id, kind(number)))
+        except ValueError:
+            raise fail(
+                InvalidInput(f"{value!r}: expected ID={kind.__name__.upper()}", field=option)
+            ) from None
+    return pairs
+
+
+@runs_app.command("envs")
+def runs_envs(
+    run_id: str,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="ID=WEIGHT: add the env, or give it this weight"),
+    ] = None,
+    cap: Annotated[
+        list[str] | None, typer.Option("--cap", help="ID=N: the env's live episodes cap")
+    ] = None,
+    remove: Annotated[list[str] | None, typer.Option("--remove", help="take ID out")] = None,
+    revision: Annotated[
+        int | None,
+        typer.Option(help="refuse the change if the mix has moved past this revision"),
+    ] = None,
+    url: UrlOpt = DEFAULT_URL,
+    api_key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a run's env mix and its revisions; with --set, --cap or --remove, change it
+    (the groups admitted next follow the new mix)."""
+    edits: dict[str, dict[str, Any]] = {}
+    for env_id, weight in _pairs(set_ or [], "set", float):
+        edits.setdefault(env_id, {"id": env_id})["weight"] = weight
+    for env_id, limit in _pairs(cap or [], "cap", int):
+        edits.setdefault(env_id, {"id": env_id})["max_concurrency"] = limit
+    try:
+        with _client(url, api_key) as client:
+            if edits or remove:
+                change: dict[str, Any] = {"set": list(edits.values()), "remove": remove or []}
+                if revision is not None:
+                    change["revision"] = revision
+                run = client.change_run_envs(run_id, change)
+            else:
+                run = client.get_run(run_id)
+    except AgentFlowError as exc:
+        raise fail(exc) from None
+    if as_json:
+        print_json(run)
+        return
+    typer.echo(f"run {run.id} ({run.status}), env mix revision {run.env_revision}:")
+    for entry in run.envs:
+        typer.echo(
+            f"  {entry['id']}  weight={entry['weight']:g}  cap={entry['max_concurrency']}"
+            + (f"  kwargs={entry['kwargs']}" if entry.get("kwargs") else "")
+        )
+    typer.echo("revisions:")
+    for r in run.env_revisions:
+        mix = ", ".join(f"{e['id']}={e['weight']:g}" for e in r.envs)
+        typer.echo(
+            f"  {r.revision}  {r.created_at:%Y-%m-%d %H:%M:%S}  v{r.weight_version}  "
+            f"{r.changed_by}: {mix}"
+        )

@@ -48,6 +48,28 @@ def test_envs_and_runs_commands(sqlite_database: str, tmp_path: Path) -> None:
             == "pending"
         )
 
+        # The env mix: shown, changed (a revision each), refusals naming the option.
+        envs = ["runs", "envs", run_id, *opts]
+        added = runner.invoke(
+            app, [*envs, "--set", "agentflow/guess-number-v0=3", "--cap", f"{name}=2"]
+        )
+        assert added.exit_code == 0, added.output
+        assert "revision 1:" in added.output
+        assert "agentflow/guess-number-v0  weight=3  cap=64" in added.output
+        assert f"{name}  weight=1  cap=2" in added.output
+        shown = runner.invoke(app, [*envs, "--json"])
+        assert [r["revision"] for r in json.loads(shown.output)["env_revisions"]] == [0, 1]
+        stale = runner.invoke(app, [*envs, "--remove", name, "--revision", "0"])
+        assert stale.exit_code == 1 and "revision 1, not 0" in stale.output
+        emptied = runner.invoke(
+            app, [*envs, "--remove", name, "--remove", "agentflow/guess-number-v0"]
+        )
+        assert emptied.exit_code == 1 and "remove" in emptied.output
+        garbled = runner.invoke(app, [*envs, "--set", "agentflow/guess-number-v0=heavy"])
+        assert garbled.exit_code == 1 and "set:" in garbled.output
+        removed = runner.invoke(app, [*envs, "--remove", name, "--revision", "1"])
+        assert removed.exit_code == 0 and "revision 2:" in removed.output, removed.output
+
         bad = tmp_path / "bad.toml"
         bad.write_text('name = "x"\n[[envs]]\nid = "e"\n[rollout]\ngroup_size = 0\n')
         refused = runner.invoke(app, ["runs", "create", str(bad), *opts])
