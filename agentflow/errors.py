@@ -3,6 +3,7 @@
     AgentFlowError                    500  base; never raised directly
      ├── InvalidInput                 422  a request field is wrong (names the field)
      ├── Unauthorized                 401  missing or wrong API key
+     ├── Forbidden                    403  a dashboard action from another site
      ├── NotFound                     404  an id that does not exist
      ├── Conflict                     409  a duplicate, or a state that forbids the action
      │    └── WeightsNotFound         409  a run's newest published weights are gone
@@ -40,6 +41,13 @@ class InvalidInput(AgentFlowError):
 
 class Unauthorized(AgentFlowError):
     status_code = 401
+
+
+class Forbidden(AgentFlowError):
+    """Signed in, but not allowed this way: a dashboard action without its page's token
+    or from another origin."""
+
+    status_code = 403
 
 
 class NotFound(AgentFlowError):

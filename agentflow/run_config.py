@@ -688,6 +688,12 @@ class WarmStartConfig(_Section):
     concurrency: Int64 = Field(
         default=1, ge=1, le=4096, description="episodes played at once (browser envs wait)"
     )
+    envs: list[Annotated[str, Field(min_length=1, max_length=264)]] = Field(
+        default_factory=list,
+        max_length=100,
+        description="built-in env ids whose oracles it plays, in turn; empty: every env of "
+        "the mix (a run whose mix will grow while it trains can warm-start on the envs to come)",
+    )
 
 
 class BroadcastConfig(_Section):
@@ -1209,9 +1215,10 @@ class RunConfig(_Section):
     @classmethod
     def _warm_start_env(cls, value: WarmStartConfig, info: ValidationInfo) -> WarmStartConfig:
         envs = info.data.get("envs")
-        if value.enabled and envs:
-            for entry in envs:  # the warm start plays every env of the mix
-                check_warm_start_env(entry.id, value.p_oracle)
+        if value.enabled:
+            # The warm start plays its own envs, else every env of the mix.
+            for env_id in value.envs or [e.id for e in envs or ()]:
+                check_warm_start_env(env_id, value.p_oracle)
         return value
 
 
@@ -1284,6 +1291,9 @@ def with_envs(config: RunConfig, envs: list[EnvEntry]) -> RunConfig:
     InvalidInput naming the field."""
     document = config.model_dump(mode="json")
     document["envs"] = [e.model_dump(mode="json") for e in envs]
+    warm = document["warm_start"]
+    if warm["enabled"] and not warm["envs"]:  # it played the mix it started with
+        warm["envs"] = [e.id for e in config.envs]
     try:
         return RunConfig.model_validate(document)
     except ValidationError as exc:

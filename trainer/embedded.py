@@ -131,16 +131,17 @@ def warm_start_config(config: RunConfig) -> SftConfig:
     system prompt and budgets), so the warm start's data is what RL will see."""
     from trainer.sft import SftConfig
 
+    # Every env of the mix (or the warm start's own list), in turn: it sees what RL will.
+    env_ids = config.warm_start.envs or [e.id for e in config.envs]
     return SftConfig(
-        # Every env of the mix, in turn: the warm start sees what RL will.
-        env_id=[e.id for e in config.envs] if len(config.envs) > 1 else config.envs[0].id,
-        env_kwargs={e.id: dict(e.kwargs) for e in config.envs if e.kwargs},
+        env_id=env_ids if len(env_ids) > 1 else env_ids[0],
+        env_kwargs={e.id: dict(e.kwargs) for e in config.envs if e.kwargs and e.id in env_ids},
         max_turns=config.agent.max_turns,
         max_tokens=config.agent.max_tokens,
         max_new_tokens=config.agent.max_new_tokens,
         system_prompt=config.agent.system_prompt,
         seed=config.seed,
-        **config.warm_start.model_dump(exclude={"enabled"}),
+        **config.warm_start.model_dump(exclude={"enabled", "envs"}),
     )
 
 

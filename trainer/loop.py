@@ -240,17 +240,12 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, float]:
-    """Rollout-side figures of a trained batch (fresh samples only for the reward)."""
+    """Rollout-side figures of a trained batch (fresh samples only for the reward), and
+    each env's own (`env/<id>/...`): a run whose mix changes while it trains
+    (docs/runs.md) shows each env's curve from the step it joined."""
     fresh = [t for t in batch if t.times_served == 0] or list(batch)
     stale = [s for t in batch if (s := t.staleness(version)) is not None]
     turns = [_policy_turns(t) for t in fresh]
-    by_env: dict[str, list[float]] = {}
-    for t in fresh:
-        if t.env_ref:
-            by_env.setdefault(t.env_ref, []).append(t.reward or 0.0)
-    per_env = (
-        {f"reward/{env}": sum(r) / len(r) for env, r in by_env.items()} if len(by_env) > 1 else {}
-    )
     return {
         "reward": sum(t.reward or 0.0 for t in fresh) / len(fresh),
         "turns": sum(turns) / len(turns),
@@ -259,8 +254,25 @@ def summarize_batch(batch: Sequence[Trajectory], version: int) -> dict[str, floa
         "staleness_max": float(max(stale, default=0)),
         "replayed": float(len(batch) - len([t for t in batch if t.times_served == 0])),
         "trajectories": float(len(batch)),  # a group can be short: an episode failed
-        **per_env,  # with an env mix: each env's mean reward
+        **per_env_figures(batch, version),
     }
+
+
+def per_env_figures(batch: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """For each env of the batch: its mean reward (fresh samples, as `reward`), its
+    episodes, and its mean staleness."""
+    by_env: dict[str, list[Trajectory]] = {}
+    for t in batch:
+        if t.env_ref:
+            by_env.setdefault(t.env_ref, []).append(t)
+    figures: dict[str, float] = {}
+    for env, trajectories in sorted(by_env.items()):
+        fresh = [t for t in trajectories if t.times_served == 0] or trajectories
+        stale = [s for t in trajectories if (s := t.staleness(version)) is not None]
+        figures[f"env/{env}/reward"] = sum(t.reward or 0.0 for t in fresh) / len(fresh)
+        figures[f"env/{env}/episodes"] = float(len({t.episode_id for t in trajectories}))
+        figures[f"env/{env}/staleness"] = sum(stale) / len(stale) if stale else 0.0
+    return figures
 
 
 def rtpo_step(

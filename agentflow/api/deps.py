@@ -16,7 +16,7 @@ from agentflow.agents.keys import episode_for_key
 from agentflow.agents.runtime import RuntimeRegistry
 from agentflow.config import Settings
 from agentflow.db.turn_tree import TurnTree
-from agentflow.errors import NotFound, Unauthorized
+from agentflow.errors import Forbidden, NotFound, Unauthorized
 from agentflow.rollout.manager import RunManager
 
 
@@ -150,6 +150,40 @@ def ui_access_granted(request: Request) -> bool:
     )
 
 
+def ui_csrf_token(request: Request) -> str:
+    """The token the dashboard's page sends with each action (`X-CSRF-Token`): a MAC of
+    this browser session (its cookie) under the secret key, which the page reads from
+    `GET /ui/api/session`. Another site can make a browser send the cookie, never read
+    this token (the browser keeps another origin's answers from it)."""
+    settings = _settings(request)
+    session = request.cookies.get(UI_COOKIE, "") if settings.api_key else "no-key"
+    message = b"agentflow-ui-action:" + session.encode("utf-8", "surrogateescape")
+    return hmac.new(settings.secret_key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def check_ui_action(request: Request) -> None:
+    """A dashboard action (pause, resume, stop, a mix change) is refused from another
+    site: a browser session needs its page's token and, on top, an `Origin` that is this
+    host's own. A request with the API key as its header is not a browser session: the
+    key itself is the proof."""
+    settings = _settings(request)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if settings.api_key and scheme.lower() == "bearer" and is_api_key(token.strip(), settings):
+        return
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is None or origin != own:
+        raise Forbidden(
+            f"a dashboard action must come from the dashboard's own page (Origin {own}, "
+            f"not {origin or 'none'})"
+        )
+    sent = request.headers.get("x-csrf-token", "")
+    if not secrets.compare_digest(
+        sent.encode("utf-8", "surrogateescape"), ui_csrf_token(request).encode()
+    ):
+        raise Forbidden("missing or wrong X-CSRF-Token: reload the dashboard's page")
+
+
 def check_ui_access(request: Request) -> None:
     """The dashboard's data and assets: the API key, as a header or as the cookie."""
     if not ui_access_granted(request):
@@ -171,13 +205,20 @@ async def require_ui_access(request: Request) -> None:
     check_ui_access(request)
 
 
+async def require_ui_action(request: Request) -> None:
+    check_ui_action(request)
+
+
 # What a router that needs the API key declares (`APIRouter(dependencies=API_KEY)`): on
 # the router itself, where `GatewayRoute` sees it, not at `include_router`.
 API_KEY = [Depends(require_api_key)]
 UI_ACCESS = [Depends(require_ui_access)]
+# A dashboard action: signed in, and from the dashboard's own page.
+UI_ACTION = [Depends(require_ui_access), Depends(require_ui_action)]
 # Each auth dependency, and the check `GatewayRoute` runs for it before anything else.
 AUTH_CHECKS: dict[Callable[..., Any], Callable[[Request], None]] = {
     require_api_key: check_api_key,
     require_episode_key: check_episode_key,
     require_ui_access: check_ui_access,
+    require_ui_action: check_ui_action,
 }

@@ -18,9 +18,10 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from agentflow.agents.runtime import RuntimeRegistry
-from agentflow.db.models import Environment, Episode, Run, Turn, WeightVersion
+from agentflow.db.models import Environment, Episode, Run, RunEnvRevision, Turn, WeightVersion
 from agentflow.db.runs import LIVE_RUN_STATUSES
 from agentflow.db.turn_tree import TurnTree
+from agentflow.env_curves import env_curves
 from agentflow.errors import NotFound
 from agentflow.types import OPEN_EPISODE_STATUSES, EpisodeInfo, TurnNode
 from agentflow.ui.tokens import TokenTexts
@@ -104,6 +105,13 @@ async def run_detail(session: AsyncSession, run_id: uuid.UUID) -> dict[str, Any]
         .group_by(Episode.env_ref)
         .order_by(Episode.env_ref)
     )
+    revisions = list(
+        await session.scalars(
+            select(RunEnvRevision)
+            .where(RunEnvRevision.run_id == run_id)
+            .order_by(RunEnvRevision.revision)
+        )
+    )
     versions = (
         await session.execute(
             select(WeightVersion.version, WeightVersion.metrics, WeightVersion.created_at)
@@ -123,6 +131,18 @@ async def run_detail(session: AsyncSession, run_id: uuid.UUID) -> dict[str, Any]
         "episodes": _counts_by_status(statuses.all()),
         "envs": {env_ref: int(count) for env_ref, count in envs},
         "curves": curves(run.created_at, versions),
+        "env_curves": env_curves((row.version, row.metrics or {}) for row in versions),
+        "mix": {"revision": run.env_revision, "envs": run.config.get("envs") or []},
+        "env_revisions": [
+            {
+                "revision": r.revision,
+                "weight_version": r.weight_version,
+                "created_at": r.created_at,
+                "changed_by": r.changed_by,
+                "envs": r.envs,
+            }
+            for r in revisions
+        ],
     }
 
 

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import uuid
+from datetime import UTC, datetime
 from functools import cache
 from importlib import resources
 from typing import Annotated, Any
 from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from agentflow.api.deps import (
     UI_ACCESS,
+    UI_ACTION,
     UI_COOKIE,
     RuntimesDep,
     SessionDep,
@@ -29,14 +32,19 @@ from agentflow.api.deps import (
     is_api_key,
     ui_access_granted,
     ui_cookie_value,
+    ui_csrf_token,
 )
 from agentflow.api.routes.blobs import blob_response
 from agentflow.api.routing import GatewayRoute
-from agentflow.errors import NotFound
+from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.integers import Int32, Int64
+from agentflow.rollout.manager import RunManager
+from agentflow.run_config import EnvMixChange
 from agentflow.types import EpisodeStatus
 from agentflow.ui import queries
 from agentflow.ui.tokens import TokenTexts
+
+log = logging.getLogger(__name__)
 
 # The browser runs only this origin's scripts and styles, and nothing frames the page.
 SECURITY_HEADERS = {
@@ -199,4 +207,80 @@ async def blob(sha256: str, turns: TurnTreeDep) -> Response:
     return await blob_response(sha256, turns)
 
 
-routers = (pages, data, assets)
+# ---- run controls: the page's actions, refused from another site -------------------
+
+actions = APIRouter(
+    prefix="/ui/api",
+    tags=["dashboard"],
+    route_class=GatewayRoute,
+    dependencies=UI_ACTION,
+)
+
+
+@data.get("/session")
+async def ui_session(request: Request) -> dict[str, Any]:
+    """What the page needs to act: its token (`X-CSRF-Token`), and whether this
+    dashboard controls runs (the gateway's, and `agentflow train --ui-port`'s do)."""
+    return {
+        "csrf_token": ui_csrf_token(request),
+        "controls": getattr(request.app.state, "run_manager", None) is not None,
+    }
+
+
+def _manager(request: Request) -> RunManager:
+    manager: RunManager | None = getattr(request.app.state, "run_manager", None)
+    if manager is None:
+        raise Conflict("this dashboard shows runs but does not control them")
+    return manager
+
+
+def _who(request: Request) -> str:
+    client = request.client.host if request.client is not None else "unknown"
+    return f"dashboard from {client}"
+
+
+@actions.post("/runs/{run_id}/{action}")
+async def control_run(
+    run_id: uuid.UUID,
+    action: Annotated[str, Path(pattern="^(pause|resume|stop)$")],
+    request: Request,
+    session: SessionDep,
+) -> dict[str, Any]:
+    """Pause, resume or stop a run; logged with who and when."""
+    manager = _manager(request)
+    who = _who(request)
+    live = await manager.live(run_id)
+    if action == "pause":
+        await live.pause()
+    elif action == "resume":
+        await live.resume()
+    else:
+        await live.stop(f"stopped from the dashboard ({who})")
+    log.info("run %s: %s by %s at %s", run_id, action, who, datetime.now(UTC).isoformat())
+    session.expire_all()
+    return await queries.run_detail(session, run_id)
+
+
+@actions.patch("/runs/{run_id}/envs")
+async def change_envs(
+    run_id: uuid.UUID, change: EnvMixChange, request: Request, session: SessionDep
+) -> dict[str, Any]:
+    """Change the run's env mix (as `PATCH /v1/runs/{id}`); the revision records who."""
+    manager = _manager(request)
+    who = _who(request)
+    try:
+        revision = await manager.change_envs(run_id, change, changed_by=who)
+    except InvalidInput as exc:
+        raise InvalidInput(exc.message, field=("body", *exc.field)) from None
+    log.info(
+        "run %s: env mix revision %d by %s at %s",
+        run_id,
+        revision.revision,
+        who,
+        revision.created_at.isoformat(),
+    )
+    session.expire_all()
+    return await queries.run_detail(session, run_id)
+
+
+routers = (pages, data, assets, actions)

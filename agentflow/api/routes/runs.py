@@ -20,6 +20,7 @@ from agentflow.api.schemas.runs import (
     RunStatus,
 )
 from agentflow.db.models import Episode, Run
+from agentflow.env_curves import env_curves
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.integers import Int32, Int64
 from agentflow.rollout.manager import RunManager
@@ -191,9 +192,11 @@ async def record_run_metrics(
 async def run_metrics(
     run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep
 ) -> dict[str, Any]:
-    """The trainer's metrics per weight version (one per step), oldest first."""
+    """The trainer's metrics per weight version (one per step), oldest first; each env's
+    curves (`envs`) and the env mix's revisions."""
     run = await _get(session, run_id)
     versions = await manager.runs.versions(run_id)
+    revisions = await manager.runs.env_revisions(run_id)
     return {
         "run_id": str(run_id),
         "weight_version": run.weight_version,
@@ -207,4 +210,7 @@ async def run_metrics(
             }
             for w in versions
         ],
+        # Each env's figures per version, and when the mix changed (to mark on them).
+        "envs": env_curves((w.version, w.metrics or {}) for w in versions),
+        "env_revisions": [EnvRevisionPublic.model_validate(r) for r in revisions],
     }

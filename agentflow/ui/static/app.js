@@ -1,7 +1,7 @@
 // The dashboard: a hash router over five pages, each re-read every few seconds while
 // shown, so a run's curves and a live episode grow as training goes.
 import { lineChart } from "./chart.js";
-import { SignedOut, api, empty, fill as put, fmt, h, statusBadge, table, when } from "./dom.js";
+import { SignedOut, act, api, empty, fill as put, fmt, h, session, statusBadge, table, when } from "./dom.js";
 import { installTokenTips, turnTree } from "./tree.js";
 
 const POLL_MS = 3000;
@@ -100,12 +100,79 @@ const CURVES = [
   { name: "throughput", title: "Throughput (trajectories trained per second)", series: ["throughput"] },
 ];
 
+const ENV_FIGURES = [
+  { figure: "reward", title: "Reward by env" },
+  { figure: "episodes", title: "Episodes by env (per step)" },
+  { figure: "staleness", title: "Staleness by env" },
+];
+
+// The run's controls: pause or resume, stop (asked twice), and the env mix editor.
+function runControls(run, { onDone, onError }) {
+  const live = run.status === "running" || run.status === "paused";
+  if (!live) return [];
+  const send = async (action) => {
+    try {
+      onDone(await act(`/runs/${run.id}/${action}`));
+    } catch (error) {
+      onError(error);
+    }
+  };
+  const buttons = [];
+  if (run.status === "running") buttons.push(h("button", { type: "button", dataset: { action: "pause" }, onclick: () => send("pause") }, "Pause"));
+  if (run.status === "paused") buttons.push(h("button", { type: "button", dataset: { action: "resume" }, onclick: () => send("resume") }, "Resume"));
+  const sure = h("button", { type: "button", class: "danger", hidden: true, dataset: { action: "stop" }, onclick: () => send("stop") }, "Stop the run: its live episodes are aborted");
+  const stop = h("button", { type: "button", class: "danger", dataset: { action: "ask-stop" }, onclick: () => { sure.hidden = false; stop.hidden = true; } }, "Stop…");
+  return [...buttons, stop, sure];
+}
+
+function mixEditor(run, { onDone, onError, onEdit }) {
+  const rows = run.mix.envs.map((entry) => {
+    const weight = h("input", { type: "number", step: "any", min: "0", value: entry.weight, "aria-label": `weight of ${entry.id}`, oninput: onEdit });
+    const cap = h("input", { type: "number", step: "1", min: "1", value: entry.max_concurrency, "aria-label": `cap of ${entry.id}`, oninput: onEdit });
+    const remove = h("input", { type: "checkbox", "aria-label": `remove ${entry.id}`, onchange: onEdit });
+    return { entry, weight, cap, remove, row: h("tr", { dataset: { env: entry.id } }, h("td", {}, h("code", {}, entry.id)), h("td", {}, weight), h("td", {}, cap), h("td", {}, remove)) };
+  });
+  const addId = h("input", { class: "env-id", type: "text", placeholder: "env id to add", "aria-label": "env id to add", oninput: onEdit });
+  const addWeight = h("input", { type: "number", step: "any", min: "0", value: "1", "aria-label": "weight of the added env", oninput: onEdit });
+  const apply = async () => {
+    const envs = rows
+      .filter((r) => !r.remove.checked)
+      .map((r) => ({ ...r.entry, weight: Number(r.weight.value), max_concurrency: Number(r.cap.value) }));
+    if (addId.value.trim()) envs.push({ id: addId.value.trim(), weight: Number(addWeight.value) });
+    try {
+      onDone(await act(`/runs/${run.id}/envs`, "PATCH", { revision: run.mix.revision, envs }));
+    } catch (error) {
+      onError(error);
+    }
+  };
+  const history = h(
+    "ol",
+    { start: "0", class: "revisions" },
+    run.env_revisions.map((r) =>
+      h("li", { dataset: { revision: r.revision } }, `at version ${r.weight_version}, ${when(r.created_at)}, by ${r.changed_by}: `, r.envs.map((e) => `${e.id}=${fmt(e.weight)}`).join(", ")),
+    ),
+  );
+  return [
+    h("h2", {}, `Env mix (revision ${run.mix.revision})`),
+    table(["Env", "Weight", "Live cap", "Remove"], [...rows.map((r) => r.row), h("tr", {}, h("td", {}, addId), h("td", {}, addWeight), h("td"), h("td"))], { class: "mix-table" }),
+    h("p", {}, h("button", { type: "button", dataset: { action: "apply-mix" }, onclick: apply }, "Apply to the next groups")),
+    h("details", {}, h("summary", {}, "Revisions"), history),
+  ];
+}
+
 async function runPage(runId) {
   const head = h("div");
+  const controls = h("div", { class: "controls" });
+  const notice = h("p", { class: "error", role: "alert", hidden: true });
+  const mix = h("section", { class: "mix", hidden: true, "aria-label": "env mix" });
   const charts = h("div", { class: "charts" });
+  const envCharts = h("div", { class: "charts", dataset: { charts: "envs" } });
   const extra = h("div", { class: "charts" });
   const picker = h("select", { "aria-label": "another metric" });
+  const { controls: canControl } = await session();
   let chosen = "";
+  let shownRevision = null; // the mix the editor shows; redrawn only when it changes
+  let editing = false; // the user has typed into the editor: the poll leaves it alone
   picker.addEventListener("change", () => {
     chosen = picker.value;
     drawExtra(last);
@@ -117,8 +184,23 @@ async function runPage(runId) {
       extra.append(lineChart(chosen, [{ name: chosen, points: run.curves.series[chosen] }], { name: `metric:${chosen}` }));
     }
   };
-  const fill = async () => {
-    const run = await api(`/runs/${runId}`);
+  const handlers = {
+    onDone: (run) => {
+      notice.hidden = true;
+      editing = false;
+      shownRevision = null;
+      draw(run);
+    },
+    onError: (error) => {
+      if (error instanceof SignedOut) return;
+      put(notice, String(error.message || error));
+      notice.hidden = false;
+    },
+    onEdit: () => {
+      editing = true;
+    },
+  };
+  const draw = (run) => {
     last = run;
     const series = run.curves.series;
     put(head,
@@ -135,6 +217,15 @@ async function runPage(runId) {
       run.error ? h("p", { class: "error" }, run.error) : null,
       h("p", {}, h("a", { class: "button", href: `#/runs/${run.id}/episodes` }, "Episodes →")),
     );
+    if (canControl) {
+      put(controls, ...runControls(run, handlers));
+      const live = run.status === "running" || run.status === "paused";
+      mix.hidden = !live;
+      if (live && run.mix.revision !== shownRevision && !editing) {
+        shownRevision = run.mix.revision;
+        put(mix, ...mixEditor(run, handlers));
+      }
+    }
     put(charts,
       ...CURVES.map((curve) =>
         lineChart(
@@ -144,6 +235,21 @@ async function runPage(runId) {
         ),
       ),
     );
+    const marks = run.env_revisions
+      .filter((r) => r.revision > 0)
+      .map((r) => ({ x: r.weight_version, label: `mix r${r.revision}`, title: `env mix revision ${r.revision} by ${r.changed_by}` }));
+    const envs = Object.keys(run.env_curves).sort();
+    put(envCharts,
+      ...(envs.length
+        ? ENV_FIGURES.map(({ figure, title }) =>
+            lineChart(
+              title,
+              envs.filter((env) => run.env_curves[env][figure]).map((env) => ({ name: env, points: run.env_curves[env][figure] })),
+              { name: `env-${figure}`, marks },
+            ),
+          )
+        : []),
+    );
     const keys = Object.keys(series).sort();
     if (picker.options.length !== keys.length + 1) {
       put(picker, h("option", { value: "" }, "another metric…"), ...keys.map((key) => h("option", { value: key }, key)));
@@ -151,8 +257,9 @@ async function runPage(runId) {
     }
     drawExtra(run);
   };
+  const fill = async () => draw(await api(`/runs/${runId}`));
   await fill();
-  const node = h("section", {}, head, charts, h("p", {}, picker), extra);
+  const node = h("section", {}, head, controls, notice, mix, charts, envCharts, h("p", {}, picker), extra);
   return { node, refresh: fill };
 }
 

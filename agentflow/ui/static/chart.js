@@ -27,8 +27,9 @@ function ticks(low, high, count) {
   return Array.from({ length: count }, (_, i) => low + i * step);
 }
 
-// `lines`: [{name, points: [[x, y], ...]}]. Returns a <figure>.
-export function lineChart(title, lines, { xLabel = "weight version", name } = {}) {
+// `lines`: [{name, points: [[x, y], ...]}]; `marks`: [{x, label}], drawn as dashed
+// vertical lines (a run's env mix revisions). Returns a <figure>.
+export function lineChart(title, lines, { xLabel = "weight version", name, marks = [] } = {}) {
   const figure = document.createElement("figure");
   figure.className = "chart";
   if (name) figure.dataset.chart = name;
@@ -46,7 +47,8 @@ export function lineChart(title, lines, { xLabel = "weight version", name } = {}
     svg.append(el("text", { x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle", class: "none" }, "no points yet"));
     return figure;
   }
-  let [xLow, xHigh] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
+  const xsAll = [...all.map((p) => p[0]), ...marks.map((m) => m.x)];
+  let [xLow, xHigh] = [Math.min(...xsAll), Math.max(...xsAll)];
   let [yLow, yHigh] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
   if (xLow === xHigh) [xLow, xHigh] = [xLow - 1, xHigh + 1];
   if (yLow === yHigh) [yLow, yHigh] = [yLow - 1, yHigh + 1];
@@ -71,6 +73,14 @@ export function lineChart(title, lines, { xLabel = "weight version", name } = {}
   });
   axes.append(el("text", { x: WIDTH - PAD.right, y: HEIGHT - 2, "text-anchor": "end", class: "label" }, xLabel));
   svg.append(axes);
+  for (const mark of marks) {
+    const at = x(mark.x);
+    const line = el("g", { class: "mark", "data-mark": mark.label });
+    line.append(el("line", { x1: at, x2: at, y1: PAD.top, y2: HEIGHT - PAD.bottom, class: "mark-line" }));
+    line.append(el("text", { x: at + 3, y: PAD.top + 10, class: "mark-label" }, mark.label));
+    line.append(el("title", {}, mark.title || mark.label));
+    svg.append(line);
+  }
 
   lines.forEach((line, index) => {
     const colour = COLOURS[index % COLOURS.length];

@@ -46,6 +46,37 @@ export async function api(path) {
   return body;
 }
 
+// A dashboard action (pause, resume, stop, a mix change): sent with the page's token,
+// which the gateway checks beside the browser's own Origin header.
+let csrfToken = null;
+export async function session() {
+  const answer = await api("/session");
+  csrfToken = answer.csrf_token;
+  return answer;
+}
+
+export async function act(path, method = "POST", body = undefined) {
+  if (csrfToken === null) await session();
+  const answer = await fetch(`/ui/api${path}`, {
+    method,
+    credentials: "same-origin",
+    headers: { "Content-Type": "application/json", "X-CSRF-Token": csrfToken },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  if (answer.status === 401) {
+    window.location.reload();
+    throw new SignedOut();
+  }
+  const reply = await answer.json();
+  if (!answer.ok) {
+    const detail = Array.isArray(reply.detail)
+      ? reply.detail.map((d) => `${d.loc.slice(1).join(".")}: ${d.msg}`).join("; ")
+      : String(reply.detail);
+    throw new Error(`${answer.status}: ${detail}`);
+  }
+  return reply;
+}
+
 export function fmt(value, digits = 3) {
   if (value === null || value === undefined) return "–";
   if (typeof value !== "number") return String(value);
