@@ -8,11 +8,13 @@ there), else to the test's temporary directory.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -281,3 +283,110 @@ async def test_a_computer_use_episode_shows_its_screenshots(
             width = await shots.nth(index).evaluate("img => img.complete && img.naturalWidth")
             assert width == 320  # the stored PNG itself, loaded with the session cookie
         await page.screenshot(path=_shots(tmp_path) / "dashboard-screenshots.png", full_page=True)
+
+
+class _OtherSite(http.server.BaseHTTPRequestHandler):
+    """Another origin's page that posts to the dashboard, as a cross-site request forgery
+    would: a form the browser submits with the dashboard's cookie."""
+
+    target = ""
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        body = (
+            f'<form id="f" method="post" action="{self.target}"></form>'
+            '<script>document.getElementById("f").submit()</script>'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+async def test_the_run_page_controls_a_run_and_refuses_another_sites_requests(
+    sqlite_database: str, browser: Browser, tmp_path: Path
+) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "gateway.log"
+    run = {
+        "name": "dashboard-controls",
+        "model": {"init": {"layers": 1, "hidden": 32, "heads": 2, "max_context": 256}},
+        "envs": [{"id": "agentflow/guess-number-v0", "max_concurrency": 4}],
+        "agent": {"max_turns": 2, "max_new_tokens": 4},
+        "rollout": {"group_size": 2, "max_concurrency": 4},
+    }
+    with gateway_process(sqlite_database, tmp_path, port, log=log, AGENTFLOW_API_KEY=KEY):
+        created = httpx.post(f"{url}/v1/runs", json=run, headers=AUTH, timeout=60)
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+
+        def stored() -> dict[str, Any]:
+            return dict(httpx.get(f"{url}/v1/runs/{run_id}", headers=AUTH, timeout=30).json())
+
+        page = await _signed_in(browser, url)
+        await page.goto(f"{url}/ui#/runs/{run_id}")
+        badge = page.locator("h1 .badge")
+        await expect(badge).to_have_text("running")
+
+        # Pause and resume from the page.
+        await page.click("button[data-action=pause]")
+        await expect(badge).to_have_text("paused")
+        assert stored()["status"] == "paused"
+        await page.click("button[data-action=resume]")
+        await expect(badge).to_have_text("running")
+
+        # The mix: add the vault env, then weigh guess-the-number 3 to 1.
+        await page.fill("input[aria-label='env id to add']", "agentflow/vault-v0")
+        await page.click("button[data-action=apply-mix]")
+        await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 1)")
+        await expect(page.locator(".mix tr[data-env='agentflow/vault-v0']")).to_be_visible()
+        await page.fill("input[aria-label='weight of agentflow/guess-number-v0']", "3")
+        await page.click("button[data-action=apply-mix]")
+        await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 2)")
+        mix = stored()
+        assert {e["id"]: e["weight"] for e in mix["envs"]} == {
+            "agentflow/guess-number-v0": 3.0,
+            "agentflow/vault-v0": 1.0,
+        }
+        assert mix["env_revisions"][-1]["changed_by"] == "dashboard from 127.0.0.1"
+        # A bad weight is refused naming the field; the mix stays as it was.
+        await page.fill("input[aria-label='weight of agentflow/vault-v0']", "0")
+        await page.click("button[data-action=apply-mix]")
+        await expect(page.locator("p.error[role=alert]")).to_contain_text("weight")
+        assert stored()["env_revision"] == 2
+        await page.screenshot(path=_shots(tmp_path) / "dashboard-controls.png", full_page=True)
+
+        # Another site's page (another port: the same site to the browser, so its cookie
+        # goes along) submits a form to pause the run: refused, the run plays on.
+        _OtherSite.target = f"{url}/ui/api/runs/{run_id}/pause"
+        other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherSite)
+        serving = threading.Thread(target=other.serve_forever, daemon=True)
+        serving.start()
+        try:
+            forged = await page.context.new_page()
+            answers: list[int] = []
+            forged.on(
+                "response",
+                lambda r: answers.append(r.status) if r.url == _OtherSite.target else None,
+            )
+            await forged.goto(f"http://127.0.0.1:{other.server_address[1]}/")
+            await expect(forged.locator("body")).to_contain_text("dashboard's own page")
+            assert answers == [403]
+            await forged.close()
+        finally:
+            other.shutdown()
+            other.server_close()
+        assert stored()["status"] == "running"
+
+        # Stop, asked twice.
+        await page.click("button[data-action=ask-stop]")
+        await page.click("button[data-action=stop]")
+        await expect(badge).to_have_text("stopped")
+        assert page.errors == []  # type: ignore[attr-defined]
+    logged = log.read_text()
+    for action in ("pause", "resume", "env mix revision 2", "stop"):
+        assert re.search(rf"{action} by dashboard from 127\.0\.0\.1 at \d{{4}}-", logged), action
