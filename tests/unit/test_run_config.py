@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agentflow.run_config import UNLOADED, RunConfig, load_run_config
+from agentflow.errors import InvalidInput
+from agentflow.run_config import UNLOADED, EnvEntry, RunConfig, load_run_config, with_envs
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("**/*.toml"))
 BASE: dict[str, Any] = {"name": "r", "envs": [{"id": "agentflow/guess-number-v0"}]}
@@ -324,3 +325,32 @@ def test_a_placed_sglang_engine_needs_no_urls() -> None:
     )
     assert config.placement.engines == 4
     assert RunConfig.model_validate(config.model_dump(mode="json")) == config
+
+
+def test_the_warm_start_plays_its_own_envs_and_a_new_mix_keeps_them() -> None:
+    guess, vault = "agentflow/guess-number-v0", "agentflow/vault-v0"
+    config = RunConfig.model_validate(
+        {"name": "w", "envs": [{"id": guess}], "warm_start": {"enabled": True}}
+    )
+    with pytest.raises(ValidationError, match="not a built-in env"):
+        RunConfig.model_validate(
+            {
+                "name": "w",
+                "envs": [{"id": guess}],
+                "warm_start": {"enabled": True, "envs": ["nope"]},
+            }
+        )
+    grown = with_envs(config, [EnvEntry(id=guess), EnvEntry(id=vault)])
+    assert [e.id for e in grown.envs] == [guess, vault]
+    assert grown.warm_start.envs == [guess]  # what it played when the run started
+    # A mix the run could not have been created with is refused naming the field.
+    sharded = RunConfig.model_validate(
+        {
+            "name": "s",
+            "envs": [{"id": guess, "max_concurrency": 4}],
+            "rollout": {"controllers": 2, "max_concurrency": 4},
+            "weights": {"sync": "disk"},
+        }
+    )
+    with pytest.raises(InvalidInput, match=r"envs\.0\.max_concurrency \(1\) gives a shard no"):
+        with_envs(sharded, [EnvEntry(id=guess, max_concurrency=1)])

@@ -30,6 +30,7 @@ from agentflow.config import Settings
 from agentflow.db.blobs import blob_store_for
 from agentflow.db.models import Turn
 from agentflow.db.packing import unpack_floats
+from agentflow.db.runs import RunStore
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.types import TurnRecord
@@ -381,6 +382,27 @@ async def test_the_run_page_controls_a_run_and_refuses_another_sites_requests(
             other.shutdown()
             other.server_close()
         assert stored()["status"] == "running"
+
+        # Each env's curves, with the mix's revisions marked (steps recorded as a trainer
+        # would, at versions past the one the revisions took effect at).
+        engine = create_engine(sqlite_database)
+        try:
+            runs = RunStore(session_factory(engine))
+            for version in (1, 2, 3):
+                await runs.record_version(uuid.UUID(run_id), version, "", {})
+                figures = {
+                    "reward": 0.5,
+                    "env/agentflow/guess-number-v0/reward": version / 10,
+                    "env/agentflow/vault-v0/reward": version / 5,
+                }
+                await runs.record_metrics(uuid.UUID(run_id), version, figures, step=version)
+        finally:
+            await engine.dispose()
+        env_reward = page.locator("figure[data-chart=env-reward]")
+        await expect(env_reward.locator(".series")).to_have_count(2)
+        await expect(env_reward.locator(".series circle.point")).to_have_count(6)
+        await expect(env_reward.locator(".mark")).to_have_count(2)  # revisions 1 and 2
+        await expect(env_reward.locator(".legend")).to_contain_text("agentflow/vault-v0")
 
         # Stop, asked twice.
         await page.click("button[data-action=ask-stop]")
