@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -108,6 +109,7 @@ def serve(
 
     settings = get_settings()
     settings.apply_gc_threshold()
+    _log_events()
 
     async def check() -> None:
         engine = create_engine(settings.database_url)
@@ -133,6 +135,18 @@ def serve(
         )
     config = uvicorn_config(create_app(settings), host, port, "info")
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _log_events() -> None:
+    """The gateway's own events to stderr at INFO: who paused, resumed, stopped or changed
+    a run's mix from the dashboard, runs loading weights, shards starting, recovery. They
+    are rare (none per turn or episode); uvicorn logs the requests."""
+    logger = logging.getLogger("agentflow")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

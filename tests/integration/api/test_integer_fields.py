@@ -300,6 +300,10 @@ class Gateway:
         if f.openai:
             key = episode_key(episode, self.app.state.settings.secret_key)
             headers["authorization"] = f"Bearer {key}"
+        if f.path.startswith("/ui/api/") and f.method != "GET":
+            # A dashboard action: from the dashboard's own page, with its token.
+            token = (await self.http.get("/ui/api/session")).json()["csrf_token"]
+            headers |= {"origin": str(self.http.base_url).rstrip("/"), "x-csrf-token": token}
         params: dict[str, str] = {"start": "false"} if f.route == ("POST", "/v1/runs") else {}
         body = self.base_body(list(values)) if f.method in ("POST", "PATCH", "PUT") else None
         for at, tag in f.tags:

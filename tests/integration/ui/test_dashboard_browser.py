@@ -324,91 +324,97 @@ async def test_the_run_page_controls_a_run_and_refuses_another_sites_requests(
         created = httpx.post(f"{url}/v1/runs", json=run, headers=AUTH, timeout=60)
         assert created.status_code == 201, created.text
         run_id = created.json()["id"]
-
-        def stored() -> dict[str, Any]:
-            return dict(httpx.get(f"{url}/v1/runs/{run_id}", headers=AUTH, timeout=30).json())
-
-        page = await _signed_in(browser, url)
-        await page.goto(f"{url}/ui#/runs/{run_id}")
-        badge = page.locator("h1 .badge")
-        await expect(badge).to_have_text("running")
-
-        # Pause and resume from the page.
-        await page.click("button[data-action=pause]")
-        await expect(badge).to_have_text("paused")
-        assert stored()["status"] == "paused"
-        await page.click("button[data-action=resume]")
-        await expect(badge).to_have_text("running")
-
-        # The mix: add the vault env, then weigh guess-the-number 3 to 1.
-        await page.fill("input[aria-label='env id to add']", "agentflow/vault-v0")
-        await page.click("button[data-action=apply-mix]")
-        await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 1)")
-        await expect(page.locator(".mix tr[data-env='agentflow/vault-v0']")).to_be_visible()
-        await page.fill("input[aria-label='weight of agentflow/guess-number-v0']", "3")
-        await page.click("button[data-action=apply-mix]")
-        await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 2)")
-        mix = stored()
-        assert {e["id"]: e["weight"] for e in mix["envs"]} == {
-            "agentflow/guess-number-v0": 3.0,
-            "agentflow/vault-v0": 1.0,
-        }
-        assert mix["env_revisions"][-1]["changed_by"] == "dashboard from 127.0.0.1"
-        # A bad weight is refused naming the field; the mix stays as it was.
-        await page.fill("input[aria-label='weight of agentflow/vault-v0']", "0")
-        await page.click("button[data-action=apply-mix]")
-        await expect(page.locator("p.error[role=alert]")).to_contain_text("weight")
-        assert stored()["env_revision"] == 2
-        await page.screenshot(path=_shots(tmp_path) / "dashboard-controls.png", full_page=True)
-
-        # Another site's page (another port: the same site to the browser, so its cookie
-        # goes along) submits a form to pause the run: refused, the run plays on.
-        _OtherSite.target = f"{url}/ui/api/runs/{run_id}/pause"
-        other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherSite)
-        serving = threading.Thread(target=other.serve_forever, daemon=True)
-        serving.start()
         try:
-            forged = await page.context.new_page()
-            answers: list[int] = []
-            forged.on(
-                "response",
-                lambda r: answers.append(r.status) if r.url == _OtherSite.target else None,
-            )
-            await forged.goto(f"http://127.0.0.1:{other.server_address[1]}/")
-            await expect(forged.locator("body")).to_contain_text("dashboard's own page")
-            assert answers == [403]
-            await forged.close()
-        finally:
-            other.shutdown()
-            other.server_close()
-        assert stored()["status"] == "running"
-
-        # Each env's curves, with the mix's revisions marked (steps recorded as a trainer
-        # would, at versions past the one the revisions took effect at).
-        engine = create_engine(sqlite_database)
-        try:
-            runs = RunStore(session_factory(engine))
-            for version in (1, 2, 3):
-                await runs.record_version(uuid.UUID(run_id), version, "", {})
-                figures = {
-                    "reward": 0.5,
-                    "env/agentflow/guess-number-v0/reward": version / 10,
-                    "env/agentflow/vault-v0/reward": version / 5,
-                }
-                await runs.record_metrics(uuid.UUID(run_id), version, figures, step=version)
-        finally:
-            await engine.dispose()
-        env_reward = page.locator("figure[data-chart=env-reward]")
-        await expect(env_reward.locator(".series")).to_have_count(2)
-        await expect(env_reward.locator(".series circle.point")).to_have_count(6)
-        await expect(env_reward.locator(".mark")).to_have_count(2)  # revisions 1 and 2
-        await expect(env_reward.locator(".legend")).to_contain_text("agentflow/vault-v0")
-
-        # Stop, asked twice.
-        await page.click("button[data-action=ask-stop]")
-        await page.click("button[data-action=stop]")
-        await expect(badge).to_have_text("stopped")
-        assert page.errors == []  # type: ignore[attr-defined]
+            await _control_from_the_page(browser, url, run_id, sqlite_database, tmp_path)
+        finally:  # never left live in the session's database, for a later gateway to resume
+            httpx.post(f"{url}/v1/runs/{run_id}/stop", headers=AUTH, timeout=60)
     logged = log.read_text()
     for action in ("pause", "resume", "env mix revision 2", "stop"):
         assert re.search(rf"{action} by dashboard from 127\.0\.0\.1 at \d{{4}}-", logged), action
+
+
+async def _control_from_the_page(
+    browser: Browser, url: str, run_id: str, sqlite_database: str, tmp_path: Path
+) -> None:
+
+    def stored() -> dict[str, Any]:
+        return dict(httpx.get(f"{url}/v1/runs/{run_id}", headers=AUTH, timeout=30).json())
+
+    page = await _signed_in(browser, url)
+    await page.goto(f"{url}/ui#/runs/{run_id}")
+    badge = page.locator("h1 .badge")
+    await expect(badge).to_have_text("running")
+
+    # Pause and resume from the page.
+    await page.click("button[data-action=pause]")
+    await expect(badge).to_have_text("paused")
+    assert stored()["status"] == "paused"
+    await page.click("button[data-action=resume]")
+    await expect(badge).to_have_text("running")
+
+    # The mix: add the vault env, then weigh guess-the-number 3 to 1.
+    await page.fill("input[aria-label='env id to add']", "agentflow/vault-v0")
+    await page.click("button[data-action=apply-mix]")
+    await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 1)")
+    await expect(page.locator(".mix tr[data-env='agentflow/vault-v0']")).to_be_visible()
+    await page.fill("input[aria-label='weight of agentflow/guess-number-v0']", "3")
+    await page.click("button[data-action=apply-mix]")
+    await expect(page.locator(".mix h2")).to_have_text("Env mix (revision 2)")
+    mix = stored()
+    assert {e["id"]: e["weight"] for e in mix["envs"]} == {
+        "agentflow/guess-number-v0": 3.0,
+        "agentflow/vault-v0": 1.0,
+    }
+    assert mix["env_revisions"][-1]["changed_by"] == "dashboard from 127.0.0.1"
+    # A bad weight is refused naming the field; the mix stays as it was.
+    await page.fill("input[aria-label='weight of agentflow/vault-v0']", "0")
+    await page.click("button[data-action=apply-mix]")
+    await expect(page.locator("p.error[role=alert]")).to_contain_text("weight")
+    assert stored()["env_revision"] == 2
+    await page.screenshot(path=_shots(tmp_path) / "dashboard-controls.png", full_page=True)
+
+    # Another site's page (another port: the same site to the browser, so its cookie
+    # goes along) submits a form to pause the run: refused, the run plays on.
+    _OtherSite.target = f"{url}/ui/api/runs/{run_id}/pause"
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtherSite)
+    serving = threading.Thread(target=other.serve_forever, daemon=True)
+    serving.start()
+    answers: list[int] = []
+    page.on("response", lambda r: answers.append(r.status) if r.url == _OtherSite.target else None)
+    try:
+        await page.goto(f"http://127.0.0.1:{other.server_address[1]}/")
+        await expect(page.locator("body")).to_contain_text("dashboard's own page")
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert answers == [403]
+    assert stored()["status"] == "running"
+    await page.goto(f"{url}/ui#/runs/{run_id}")
+    await expect(badge).to_have_text("running")
+
+    # Each env's curves, with the mix's revisions marked (steps recorded as a trainer
+    # would, at versions past the one the revisions took effect at).
+    engine = create_engine(sqlite_database)
+    try:
+        runs = RunStore(session_factory(engine))
+        for version in (1, 2, 3):
+            await runs.record_version(uuid.UUID(run_id), version, "", {})
+            figures = {
+                "reward": 0.5,
+                "env/agentflow/guess-number-v0/reward": version / 10,
+                "env/agentflow/vault-v0/reward": version / 5,
+            }
+            await runs.record_metrics(uuid.UUID(run_id), version, figures, step=version)
+    finally:
+        await engine.dispose()
+    env_reward = page.locator("figure[data-chart=env-reward]")
+    await expect(env_reward.locator(".series")).to_have_count(2)
+    await expect(env_reward.locator(".series circle.point")).to_have_count(6)
+    await expect(env_reward.locator(".mark")).to_have_count(2)  # revisions 1 and 2
+    await expect(env_reward.locator(".legend")).to_contain_text("agentflow/vault-v0")
+
+    # Stop, asked twice.
+    await page.click("button[data-action=ask-stop]")
+    await page.click("button[data-action=stop]")
+    await expect(badge).to_have_text("stopped")
+    assert page.errors == []  # type: ignore[attr-defined]
