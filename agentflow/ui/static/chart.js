@@ -73,14 +73,15 @@ export function lineChart(title, lines, { xLabel = "weight version", name, marks
   });
   axes.append(el("text", { x: WIDTH - PAD.right, y: HEIGHT - 2, "text-anchor": "end", class: "label" }, xLabel));
   svg.append(axes);
-  for (const mark of marks) {
+  marks.forEach((mark, index) => {
     const at = x(mark.x);
     const line = el("g", { class: "mark", "data-mark": mark.label });
     line.append(el("line", { x1: at, x2: at, y1: PAD.top, y2: HEIGHT - PAD.bottom, class: "mark-line" }));
-    line.append(el("text", { x: at + 3, y: PAD.top + 10, class: "mark-label" }, mark.label));
+    // Stacked, so marks at the same version stay readable.
+    line.append(el("text", { x: at + 3, y: PAD.top + 10 + 11 * index, class: "mark-label" }, mark.label));
     line.append(el("title", {}, mark.title || mark.label));
     svg.append(line);
-  }
+  });
 
   lines.forEach((line, index) => {
     const colour = COLOURS[index % COLOURS.length];

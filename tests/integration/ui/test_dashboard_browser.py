@@ -371,7 +371,6 @@ async def _control_from_the_page(
     await page.click("button[data-action=apply-mix]")
     await expect(page.locator("p.error[role=alert]")).to_contain_text("weight")
     assert stored()["env_revision"] == 2
-    await page.screenshot(path=_shots(tmp_path) / "dashboard-controls.png", full_page=True)
 
     # Another site's page (another port: the same site to the browser, so its cookie
     # goes along) submits a form to pause the run: refused, the run plays on.
@@ -403,6 +402,10 @@ async def _control_from_the_page(
                 "reward": 0.5,
                 "env/agentflow/guess-number-v0/reward": version / 10,
                 "env/agentflow/vault-v0/reward": version / 5,
+                "env/agentflow/guess-number-v0/episodes": 12.0,
+                "env/agentflow/vault-v0/episodes": 4.0,
+                "env/agentflow/guess-number-v0/staleness": 0.5,
+                "env/agentflow/vault-v0/staleness": 0.25 * version,
             }
             await runs.record_metrics(uuid.UUID(run_id), version, figures, step=version)
     finally:
@@ -412,6 +415,7 @@ async def _control_from_the_page(
     await expect(env_reward.locator(".series circle.point")).to_have_count(6)
     await expect(env_reward.locator(".mark")).to_have_count(2)  # revisions 1 and 2
     await expect(env_reward.locator(".legend")).to_contain_text("agentflow/vault-v0")
+    await page.screenshot(path=_shots(tmp_path) / "dashboard-controls.png", full_page=True)
 
     # Stop, asked twice.
     await page.click("button[data-action=ask-stop]")
