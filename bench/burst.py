@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -318,6 +320,13 @@ class Gateway:
         return lines
 
 
+def _die_with_the_bench() -> None:
+    """In the gateway's process before it runs: SIGTERM when the bench's dies, however it
+    dies (a test that kills the bench on its timeout would leave the gateway serving)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextmanager
 def gateway(
     database_url: str, api_key: str, log_path: Path, *, traced: bool = False
@@ -338,6 +347,7 @@ def gateway(
             cwd=log_path.parent,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_the_bench,
         )
         url = f"http://127.0.0.1:{port}"
         try:

@@ -130,19 +130,7 @@ class RunStore:
             run = await session.get(Run, run_id)
             if run is None:
                 raise NotFound(f"run {run_id} not found")
-            rows = list(
-                await session.scalars(
-                    select(RunEnvRevision)
-                    .where(RunEnvRevision.run_id == run_id)
-                    .order_by(RunEnvRevision.revision)
-                )
-            )
-            if not rows:  # a run created before revisions were kept: its mix as created
-                rows = [_first_revision(run)]
-            return [
-                EnvRevision(r.revision, list(r.envs), r.weight_version, r.changed_by, r.created_at)
-                for r in rows
-            ]
+            return await read_env_revisions(session, run)
 
     async def revise_envs(
         self,
@@ -339,6 +327,24 @@ class RunStore:
                 .where(Trajectory.episode_id == episode_id)
             )
         return int(count or 0)
+
+
+async def read_env_revisions(session: AsyncSession, run: Run) -> list[EnvRevision]:
+    """`run`'s env mix revisions, oldest first, read on `session` (a request's own: a
+    second session per request would hold two pooled connections at once)."""
+    rows = list(
+        await session.scalars(
+            select(RunEnvRevision)
+            .where(RunEnvRevision.run_id == run.id)
+            .order_by(RunEnvRevision.revision)
+        )
+    )
+    if not rows:  # a run created before revisions were kept: its mix as created
+        rows = [_first_revision(run)]
+    return [
+        EnvRevision(r.revision, list(r.envs), r.weight_version, r.changed_by, r.created_at)
+        for r in rows
+    ]
 
 
 def _stored(run: Run) -> StoredRun:

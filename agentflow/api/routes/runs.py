@@ -19,11 +19,11 @@ from agentflow.api.schemas.runs import (
     RunPublic,
     RunStatus,
 )
-from agentflow.db.models import Episode, Run
+from agentflow.db.models import Episode, Run, WeightVersion
+from agentflow.db.runs import read_env_revisions
 from agentflow.env_curves import env_curves
 from agentflow.errors import InvalidInput, NotFound
 from agentflow.integers import Int32, Int64
-from agentflow.rollout.manager import RunManager
 from agentflow.run_config import EnvMixChange, RunConfig
 from agentflow.types import EpisodeStatus
 
@@ -84,9 +84,9 @@ async def list_runs(
 
 
 @controls.get("/{run_id}", response_model=RunDetail)
-async def get_run(run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep) -> RunDetail:
+async def get_run(run_id: uuid.UUID, session: SessionDep) -> RunDetail:
     """The run, with its env mix now and the mix's revisions."""
-    return await run_detail(await _get(session, run_id), manager)
+    return await run_detail(session, await _get(session, run_id))
 
 
 @controls.patch("/{run_id}", response_model=RunDetail)
@@ -99,18 +99,18 @@ async def change_run_envs(
 ) -> RunDetail:
     """Change the run's env mix (add, remove, reweight, recap): stored as its next
     revision, in effect for the groups admitted after it (docs/runs.md, "Changing the
-    mix of a live run")."""
-    await _get(session, run_id)
+    mix of a live run"). 404 for an unknown run (from the manager's own read)."""
     client = request.client.host if request.client is not None else "unknown"
     try:
         await manager.change_envs(run_id, change, changed_by=f"api from {client}")
     except InvalidInput as exc:
         raise InvalidInput(exc.message, field=("body", *exc.field)) from None
-    return await run_detail(await _fresh(session, run_id), manager)
+    # This request's session is first used here: never two pooled connections at once.
+    return await run_detail(session, await _get(session, run_id))
 
 
-async def run_detail(run: Run, manager: RunManager) -> RunDetail:
-    revisions = await manager.runs.env_revisions(run.id)
+async def run_detail(session: SessionDep, run: Run) -> RunDetail:
+    revisions = await read_env_revisions(session, run)
     return RunDetail.model_validate(
         {
             **RunPublic.model_validate(run).model_dump(),
@@ -189,14 +189,18 @@ async def record_run_metrics(
 
 
 @router.get("/{run_id}/metrics")
-async def run_metrics(
-    run_id: uuid.UUID, session: SessionDep, manager: RunManagerDep
-) -> dict[str, Any]:
+async def run_metrics(run_id: uuid.UUID, session: SessionDep) -> dict[str, Any]:
     """The trainer's metrics per weight version (one per step), oldest first; each env's
     curves (`envs`) and the env mix's revisions."""
     run = await _get(session, run_id)
-    versions = await manager.runs.versions(run_id)
-    revisions = await manager.runs.env_revisions(run_id)
+    versions = list(
+        await session.scalars(
+            select(WeightVersion)
+            .where(WeightVersion.run_id == run_id)
+            .order_by(WeightVersion.version)
+        )
+    )
+    revisions = await read_env_revisions(session, run)
     return {
         "run_id": str(run_id),
         "weight_version": run.weight_version,

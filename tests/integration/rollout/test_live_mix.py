@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import event
 
 from agentflow.api.app import create_app
 from agentflow.api.schemas.runs import EpisodePublic
@@ -298,3 +299,41 @@ async def test_concurrent_changes_apply_in_order_or_are_refused_as_stale(
     with pytest.raises(Conflict):
         await api.change_run_envs(run.id, {"revision": 2, "remove": [A]})
     await _stop(api, run.id)
+
+
+async def test_reading_and_changing_a_run_hold_one_pooled_connection(
+    gateway: tuple[AsyncClient, httpx.AsyncClient],
+) -> None:
+    """A request that opened a second session while its own held a connection would, at
+    pool-size concurrency, wait on itself (200 readers at once stalled for minutes)."""
+    api, raw = gateway
+    run = await api.create_run(_config(_env(A)), start=False)
+    app = raw._transport.app  # type: ignore[attr-defined]
+    pool = app.state.sessionmaker.kw["bind"].sync_engine.pool
+    held, most = 0, 0
+
+    def checkout(*_: object) -> None:
+        nonlocal held, most
+        held += 1
+        most = max(most, held)
+
+    def checkin(*_: object) -> None:
+        nonlocal held
+        held -= 1
+
+    event.listen(pool, "checkout", checkout)
+    event.listen(pool, "checkin", checkin)
+    try:
+        for method, path, body in (
+            ("GET", f"/v1/runs/{run.id}", None),
+            ("GET", f"/v1/runs/{run.id}/metrics", None),
+            ("PATCH", f"/v1/runs/{run.id}", {"set": [{"id": B}]}),
+            ("GET", f"/ui/api/runs/{run.id}", None),
+        ):
+            most = 0
+            answer = await raw.request(method, path, json=body)
+            assert answer.status_code == 200, answer.text
+            assert most == 1, f"{method} {path} held {most} connections at once"
+    finally:
+        event.remove(pool, "checkout", checkout)
+        event.remove(pool, "checkin", checkin)
