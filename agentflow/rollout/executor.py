@@ -280,7 +280,7 @@ class RunExecutor:
     async def apply_envs(self, config: RunConfig, plan: LanePlan) -> None:
         """The groups admitted from now on come from `plan`'s mix; the groups admitted
         before play on in their envs (`agentflow.rollout.lanes`)."""
-        self.config = self.config.model_copy(update={"envs": list(plan.entries)})
+        self.config = config
         self.lanes.apply(plan)
         if isinstance(self.admission, LocalAdmission):
             self.admission.set_mix(self.lanes.mix)

@@ -205,11 +205,6 @@ class RunManager:
             stored = await self.runs.get(run_id)
             if stored.status in ENDED_RUN_STATUSES:
                 raise Conflict(f"run {run_id} is {stored.status}: its env mix cannot change")
-            if change.revision is not None and change.revision != stored.env_revision:
-                raise Conflict(
-                    f"run {run_id}'s env mix is at revision {stored.env_revision}, not "
-                    f"{change.revision}: read it again and send the change against that"
-                )
             if run_id in self._env_servers:
                 raise Conflict(
                     f"run {run_id}'s envs are served by env-server actors, placed when it "
@@ -226,7 +221,8 @@ class RunManager:
                 raise InvalidInput(exc.message, field=blame(change, entries, exc.field)) from None
             revision = await self.runs.revise_envs(
                 run_id,
-                seen=stored.env_revision,
+                # A stale revision is refused there, where the mix is stored.
+                seen=stored.env_revision if change.revision is None else change.revision,
                 config=config.model_dump(mode="json"),
                 weight_version=stored.weight_version
                 if executor is None
@@ -234,7 +230,7 @@ class RunManager:
                 changed_by=changed_by,
                 environment_ids=(s.environment_id for s in sources if s.environment_id),
             )
-            if executor is not None and plan is not None:
+            if executor is not None and plan is not None:  # live here: in effect now
                 await executor.apply_envs(config, plan)
             log.info(
                 "run %s: env mix revision %d by %s: %s",

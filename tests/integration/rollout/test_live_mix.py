@@ -6,9 +6,8 @@ changes are refused naming the field."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
@@ -16,12 +15,12 @@ import httpx
 import pytest
 from sqlalchemy import event
 
-from agentflow.api.app import create_app
 from agentflow.api.schemas.runs import EpisodePublic
 from agentflow.client import AsyncClient
 from agentflow.config import Settings
 from agentflow.errors import Conflict
 from envs import registry
+from tests.integration.rollout.gateway import serve_gateway, until
 from tests.integration.rollout.scripted_envs import GatedEnv, SlowEnv
 
 pytestmark = pytest.mark.integration
@@ -43,29 +42,6 @@ def mix_envs() -> Iterator[None]:
     GatedEnv.gate = None
 
 
-@pytest.fixture
-def settings(database_url: str) -> Settings:
-    return Settings(database_url=database_url)
-
-
-@contextlib.asynccontextmanager
-async def _serve(settings: Settings) -> AsyncIterator[tuple[AsyncClient, httpx.AsyncClient]]:
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            AsyncClient("http://gateway", transport=transport) as client,
-            httpx.AsyncClient(transport=transport, base_url="http://gateway") as raw,
-        ):
-            yield client, raw
-
-
-@pytest.fixture
-async def gateway(settings: Settings) -> AsyncIterator[tuple[AsyncClient, httpx.AsyncClient]]:
-    async with _serve(settings) as pair:
-        yield pair
-
-
 def _config(*envs: dict[str, Any], **rollout: Any) -> dict[str, Any]:
     return {
         "name": f"mix-{uuid.uuid4().hex[:6]}",
@@ -83,13 +59,6 @@ def _config(*envs: dict[str, Any], **rollout: Any) -> dict[str, Any]:
 
 def _env(env_id: str, **fields: Any) -> dict[str, Any]:
     return {"id": env_id, "kwargs": {"delay": 0.0, "steps": 1}, **fields}
-
-
-async def _until(predicate: Any, timeout: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def _episodes(api: AsyncClient, run_id: uuid.UUID) -> list[EpisodePublic]:
@@ -125,7 +94,7 @@ async def test_added_removed_and_reweighted_envs_apply_to_the_next_groups(
     async def first_group_waits() -> bool:
         return GatedEnv.waiting == 2
 
-    await _until(first_group_waits)
+    await until(first_group_waits)
     held = {e.id for e in await _episodes(api, run.id)}
     assert len(held) == 2
 
@@ -140,7 +109,7 @@ async def test_added_removed_and_reweighted_envs_apply_to_the_next_groups(
     async def groups_after(n: int) -> bool:
         return len(_groups(await _episodes(api, run.id), after=changed_at)) >= n
 
-    await _until(lambda: groups_after(5))
+    await until(lambda: groups_after(5))
     episodes = await _episodes(api, run.id)
     # The episodes in flight finished in A, as they started, and were not cut short.
     for e in episodes:
@@ -162,7 +131,7 @@ async def test_added_removed_and_reweighted_envs_apply_to_the_next_groups(
     assert {e["id"]: e["weight"] for e in reweighted.envs} == {B: 3.0, A: 1.0}
     assert {e["id"]: e["max_concurrency"] for e in reweighted.envs}[B] == 4
     reweighted_at = reweighted.env_revisions[-1].created_at
-    await _until(lambda: groups_after(5 + 9))
+    await until(lambda: groups_after(5 + 9))
     later = _groups(await _episodes(api, run.id), after=reweighted_at)[1:9]
     assert len(later) == 8 and sum(g[0] == A for g in later) == 2, later
 
@@ -177,14 +146,14 @@ async def test_added_removed_and_reweighted_envs_apply_to_the_next_groups(
 
 
 async def test_a_restart_resumes_the_newest_revision(settings: Settings) -> None:
-    async with _serve(settings) as (api, _):
+    async with serve_gateway(settings) as (api, _):
         run = await api.create_run(_config(_env(A), max_episodes=40))
         await api.change_run_envs(run.id, {"set": [{"id": C, "kwargs": {"delay": 0.01}}]})
         await api.change_run_envs(run.id, {"remove": [A]})
         assert GatedEnv.gate is not None
         GatedEnv.gate.clear()  # held: the gateway shuts down with episodes live
 
-    async with _serve(settings) as (restarted, _):  # the restart
+    async with serve_gateway(settings) as (restarted, _):  # the restart
         restarted_at = datetime.now().astimezone()
         assert GatedEnv.gate is not None
         GatedEnv.gate.set()
@@ -192,7 +161,7 @@ async def test_a_restart_resumes_the_newest_revision(settings: Settings) -> None
         async def finished() -> bool:
             return (await restarted.get_run(run.id)).status == "finished"
 
-        await _until(finished)
+        await until(finished)
         detail = await restarted.get_run(run.id)
         assert detail.env_revision == 2 and [e["id"] for e in detail.envs] == [C]
         after = _groups(await _episodes(restarted, run.id), after=restarted_at)
@@ -266,7 +235,7 @@ async def test_an_ended_run_refuses_changes(gateway: tuple[AsyncClient, httpx.As
     async def finished() -> bool:
         return (await api.get_run(run.id)).status == "finished"
 
-    await _until(finished)
+    await until(finished)
     response = await raw.patch(f"/v1/runs/{run.id}", json={"set": [{"id": B}]})
     assert response.status_code == 409 and "finished" in response.json()["detail"]
     assert (await raw.patch(f"/v1/runs/{uuid.uuid4()}", json={"remove": [A]})).status_code == 404

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ from agentflow.config import Settings
 from agentflow.db.models import Episode, Run
 from agentflow.db.session import create_engine
 from envs import registry
+from tests.integration.rollout.gateway import until
 from tests.integration.rollout.scripted_envs import BrokenEnv, SlowEnv
 
 pytestmark = pytest.mark.integration
@@ -36,24 +36,6 @@ def scripted_envs() -> Iterator[None]:
 
 
 @pytest.fixture
-def settings(database_url: str) -> Settings:
-    return Settings(database_url=database_url)
-
-
-@pytest.fixture
-async def gateway(settings: Settings) -> AsyncIterator[tuple[AsyncClient, httpx.AsyncClient]]:
-    """The typed client and a raw one, on one app with its lifespan running."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            AsyncClient("http://gateway", transport=transport) as client,
-            httpx.AsyncClient(transport=transport, base_url="http://gateway") as raw,
-        ):
-            yield client, raw
-
-
-@pytest.fixture
 def api(gateway: tuple[AsyncClient, httpx.AsyncClient]) -> AsyncClient:
     return gateway[0]
 
@@ -68,13 +50,6 @@ def _config(env_id: str, **rollout: Any) -> dict[str, Any]:
     }
 
 
-async def _until(predicate: Any, timeout: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_run_plays_its_episodes_and_finishes(
     gateway: tuple[AsyncClient, httpx.AsyncClient],
 ) -> None:
@@ -85,7 +60,7 @@ async def test_a_run_plays_its_episodes_and_finishes(
     async def finished() -> bool:
         return (await api.get_run(run.id)).status == "finished"
 
-    await _until(finished)
+    await until(finished)
     episodes = (await api.list_run_episodes(run.id)).items
     assert len(episodes) == 4
     assert {e.status for e in episodes} <= {"completed", "truncated"}
@@ -118,7 +93,7 @@ async def test_concurrency_cap_and_stop(api: AsyncClient) -> None:
         page = await api.list_run_episodes(run.id, status="running")
         return page.total == 3
 
-    await _until(three_live)
+    await until(three_live)
     paused = await api.pause_run(run.id)
     assert paused.status == "paused"
     resumed = await api.resume_run(run.id)
@@ -139,7 +114,7 @@ async def test_a_broken_env_fails_episodes_then_the_run(api: AsyncClient) -> Non
     async def failed() -> bool:
         return (await api.get_run(run.id)).status == "failed"
 
-    await _until(failed)
+    await until(failed)
     current = await api.get_run(run.id)
     assert current.error is not None and "the env crashed" in current.error
     episodes = (await api.list_run_episodes(run.id)).items
@@ -185,7 +160,7 @@ async def test_recovery_aborts_dangling_episodes_and_restarts_live_runs(
             async def finished() -> bool:
                 return (await client.get_run(run.id)).status == "finished"
 
-            await _until(finished)  # the run picked up where it was and played its episodes
+            await until(finished)  # the run picked up where it was and played its episodes
             done = (await client.list_run_episodes(run.id, status="completed")).items
             assert len(done) == 2
 
@@ -251,7 +226,7 @@ async def test_a_run_whose_newest_weights_are_gone_fails_with_that_reason(
             async def failed() -> bool:
                 return (await client.get_run(run_id)).status == "failed"
 
-            await _until(failed)
+            await until(failed)
             error = (await client.get_run(run_id)).error or ""
             assert "version 2" in error and "no longer at" in error, error
             assert run_id not in app.state.runtimes
@@ -281,7 +256,7 @@ async def test_an_episode_end_that_fails_to_write_is_written_again(
     async def finished() -> bool:
         return (await api.get_run(run.id)).status == "finished"
 
-    await _until(finished)
+    await until(finished)
     assert not failures
     episodes = (await api.list_run_episodes(run.id)).items
     assert len(episodes) == 4
