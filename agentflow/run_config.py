@@ -841,6 +841,11 @@ class RtpoConfig(_Section):
         description="how many policy turns after the first each episode re-rolls from, "
         "drawn at random; None: every one",
     )
+    update: Literal["reverse", "joint"] = Field(
+        default="reverse",
+        description="reverse: one optimizer step per turn depth, deepest first (RTPO); "
+        "joint: the same turns and advantages in one step (an ablation, bench/rtpo.py)",
+    )
 
 
 # SGLang's server as the engines need it: ids in and out, sessions with a radix cache.

@@ -67,6 +67,7 @@ class LoopSettings:
     pull_timeout_s: float = 5.0
     distill: DistillLoss | None = None  # with teachers: the reverse-KL term
     credit: Literal["trajectory", "turn", "rtpo"] = "trajectory"  # `trainer.credit`
+    rtpo_update: Literal["reverse", "joint"] = "reverse"  # `rtpo.update`
     teacher_retry_s: tuple[float, float] = (2.0, 60.0)  # first and longest wait
 
 
@@ -116,7 +117,12 @@ async def train(
             continue
         if settings.credit == "rtpo":
             metrics = await asyncio.to_thread(
-                rtpo_step, policy, valid, settings.algorithm, settings.normalize_std
+                rtpo_step,
+                policy,
+                valid,
+                settings.algorithm,
+                settings.normalize_std,
+                joint=settings.rtpo_update == "joint",
             )
         else:
             advantages: list[Advantage]
@@ -280,11 +286,15 @@ def rtpo_step(
     batch: Sequence[Trajectory],
     algorithm: AlgorithmConfig,
     normalize_std: bool,
+    *,
+    joint: bool = False,
 ) -> dict[str, float]:
     """RTPO's update of one batch (`trainer.credit`): its tree's policy turns, each once
-    with its own advantage, one optimizer step per turn depth, deepest first."""
+    with its own advantage, one optimizer step per turn depth, deepest first; `joint`
+    (`rtpo.update`, an ablation): the same turns and advantages in one step."""
     nodes = reverse_tree(batch, normalize_std=normalize_std)
-    steps = by_depth_deepest_first(nodes)
+    depths = by_depth_deepest_first(nodes)
+    steps = [[n for level in depths for n in level]] if joint else depths
     merged: dict[str, float] = {}
     for level in steps:
         metrics = policy.train_step(
@@ -300,7 +310,7 @@ def rtpo_step(
     siblings = Counter(n.sibling_key for n in nodes if n.depth > 0)
     out.update(
         rtpo_turns=float(len(nodes)),
-        rtpo_depths=float(len(steps)),
+        rtpo_depths=float(len(depths)),
         rtpo_branch_points=float(sum(1 for count in siblings.values() if count > 1)),
     )
     return out

@@ -97,6 +97,7 @@ def loop_settings(config: RunConfig, checkpoint_root: Path) -> LoopSettings:
         keep_checkpoints=trainer.keep_checkpoints,
         max_tokens=trainer.max_tokens_per_microbatch,
         credit=credit,  # type: ignore[arg-type]
+        rtpo_update=config.rtpo.update,
         distill=DistillLoss(
             coef=config.distill.coef, rl=config.distill.rl, estimator=config.distill.estimator
         )

@@ -15,6 +15,9 @@ _BUILTINS = (
     ("agentflow/mirror-digits-v0", "digits:mirror_digits", "digits:oracle"),
     ("agentflow/digit-relay-v0", "digits:digit_relay", "digits:oracle"),
     ("agentflow/vault-v0", "vault:VaultEnv", "vault:oracle"),
+    ("agentflow/long-vault-v0", "long_vault:LongVaultEnv", "vault:oracle"),
+    ("agentflow/slip-vault-v0", "slip_vault:SlipVaultEnv", "vault:oracle"),
+    ("agentflow/recall-vault-v0", "recall_vault:RecallVaultEnv", "recall_vault:oracle"),
 )
 BUILTIN_ENVS = tuple(env_id for env_id, _, _ in _BUILTINS)
 

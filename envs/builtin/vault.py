@@ -20,6 +20,8 @@ end for the right key; an episode's return is at most 1 + dials * dial_reward.
 
 from __future__ import annotations
 
+import hashlib
+import random
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -54,10 +56,12 @@ class VaultEnv(TurnEnv):
         self.vault = 0
         self.key: int | None = None
         self.dial = 0
+        self.said: list[int | None] = []  # the digit of each reply so far
 
     async def _start(self, options: dict[str, Any]) -> Observation:
         self.vault = self.rng.randrange(10)
         self.key = None
+        self.said = []
         return _user(f"vault {self.vault}. key?")
 
     def _next_dial(self) -> Observation:
@@ -67,20 +71,45 @@ class VaultEnv(TurnEnv):
     async def _turn(self, action: Action) -> Outcome:
         assert isinstance(action, TextAction)
         said = _last_digit(action.text)
+        self.said.append(said)
         if self.turns == 1:
             self.key = said
             return Outcome(self._next_dial(), info={"key_right": said == self.vault})
-        right = said == (self.dial + 1) % 10
-        reward = self.dial_reward if right else 0.0
+        right = said == self.dial_answer()
+        reward = self.dial_pays(right)
         info: dict[str, Any] = {"dial_right": right}
         if self.turns < 1 + self.dials:
-            return Outcome(self._next_dial(), reward=reward, info=info)
-        opened = self.key == self.vault
-        info.update(success=opened, key_right=opened)
+            return Outcome(self._next_dial(), reward=round(reward, 6), info=info)
+        opened = self.opens()
+        # Success is the decision under study, the key; the variants where luck opens or
+        # jams the vault keep what happened in `opened`.
+        key_right = self.key == self.vault
+        info.update(success=key_right, key_right=key_right, opened=opened)
         reward += 1.0 if opened else 0.0
         return Outcome(
             _user("open" if opened else "shut"), reward=round(reward, 6), terminated=True, info=info
         )
+
+    # The rules the variants change (envs/builtin/long_vault.py, slip_vault.py,
+    # recall_vault.py): what a dial asks, what it pays, whether the vault opens.
+
+    def dial_answer(self) -> int:
+        """The dial's right reply: its digit plus one, 9 wrapping to 0."""
+        return (self.dial + 1) % 10
+
+    def dial_pays(self, right: bool) -> float:
+        return self.dial_reward if right else 0.0
+
+    def opens(self) -> bool:
+        return self.key == self.vault
+
+    def chance(self) -> random.Random:
+        """Randomness for the rules, drawn from the episode's seed and every reply so far:
+        a replay of the same replies meets the same luck (RTPO's re-rolls replay the
+        stored path), and two episodes of one task that differ in any reply draw apart."""
+        said = ",".join("-" if d is None else str(d) for d in self.said)
+        digest = hashlib.blake2b(f"{self.seed}|{said}".encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(digest, "little"))
 
 
 def _answer(history: Sequence[Observation]) -> str:

@@ -120,3 +120,54 @@ async def test_an_env_that_answers_the_replay_differently_is_refused(
             )
     finally:
         await env.close()
+
+
+@pytest.mark.parametrize(
+    "env_id",
+    ["agentflow/long-vault-v0", "agentflow/slip-vault-v0", "agentflow/recall-vault-v0"],
+)
+async def test_the_credit_study_envs_replay_their_luck_for_a_re_roll(
+    env_id: str, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """RTPO re-rolls these envs from every dial turn: the replay meets the stored noise,
+    slips and jams (drawn from the seed and the replies), so no branch is refused."""
+    turns = TurnTree(sessions)
+    task = {"seed": 11}
+    episode_id = await turns.create_episode(env_ref=env_id, task=task)
+    noisy = registry.noisy_oracle_factory(env_id)
+    assert noisy is not None
+    loop = EpisodeLoop(ByteChatTemplate(), Budget(max_turns=8, max_tokens=1024))
+    env = registry.make(env_id)
+    try:
+        outcome = await loop.play(
+            env,
+            task,
+            ScriptedActions(loop.template, noisy(0.5, 3)),
+            TurnTreeRecorder(turns, episode_id),
+        )
+        (leaf,) = await turns.leaves(episode_id)
+        path = await turns.path(leaf.id)
+        replies = [i for i, t in enumerate(path) if t.kind == "policy"]
+        assert len(replies) == outcome.turns >= 3
+        seen = {leaf.id}
+        for cut in replies[1:]:
+            start = path[: cut + 1]
+            branch = await loop.play(
+                env,
+                task,
+                ScriptedActions(loop.template, registry.oracle(env_id)),
+                TurnTreeRecorder(turns, episode_id, parent=start[-1].id),
+                start=start,
+            )
+            assert branch.status == "completed"
+            (new_leaf,) = [x for x in await turns.leaves(episode_id) if x.id not in seen]
+            seen.add(new_leaf.id)
+            # The branch's return, replayed turns included, is what its stored path paid:
+            # the stored turns before the cut and the new ones after it.
+            new_path = await turns.path(new_leaf.id)
+            assert [t.id for t in new_path[: cut + 1]] == [t.id for t in start]
+            paid = sum(t.reward or 0.0 for t in new_path if t.kind == "env")
+            assert branch.reward == pytest.approx(paid)
+    finally:
+        await env.close()
+    assert len(seen) == len(replies)

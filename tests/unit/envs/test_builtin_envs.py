@@ -49,7 +49,7 @@ def random_policy(env_id: str, seed: int):
                     calls=[ToolCall(id="c", name="python", arguments={"code": code})]
                 )
             return TextAction(text=f"answer: {rng.randint(1, 3000)}")
-        if env_id == "agentflow/vault-v0":
+        if env_id.endswith("vault-v0"):
             return TextAction(text=str(rng.randrange(10)))
         if env_id.endswith(("digits-v0", "relay-v0")):
             return TextAction(text="".join(rng.choice("0123456789") for _ in range(4)))
@@ -81,8 +81,15 @@ async def test_oracle_solves_every_episode_and_random_does_clearly_worse(env_id:
         # Binary search finds every number within 5 guesses: the best any policy that does
         # not know the number can do; its mean reward is about 0.78.
         assert min(oracle_rewards) >= 0.6 and oracle_mean > 0.7
-    elif env_id == "agentflow/vault-v0":
+    elif env_id in ("agentflow/vault-v0", "agentflow/recall-vault-v0"):
         assert oracle_mean == pytest.approx(1.4)  # the key (1) and two dials (0.2 each)
+    elif env_id == "agentflow/long-vault-v0":
+        # The key (1) and six dials (0.1 each), each with noise of sd 0.1: about 0.04
+        # over 40 episodes.
+        assert oracle_mean == pytest.approx(1.6, abs=0.15)
+    elif env_id == "agentflow/slip-vault-v0":
+        # The right key opens 70% of the time, each right dial pays 0.2 70% of the time.
+        assert oracle_mean == pytest.approx(0.7 + 3 * 0.2 * 0.7, abs=0.25)
     else:
         assert oracle_mean == pytest.approx(1.0)  # the digit envs pay 1/questions a turn
     assert random_mean < 0.5 * oracle_mean, (oracle_mean, random_mean)

@@ -174,3 +174,42 @@ def test_the_sample_budget_counts_re_rolls() -> None:
     assert limited.samples_per_group() == 4 * (1 + 2)
     grpo = RunConfig.model_validate({**VAULT, "rollout": {"group_size": 12}})
     assert grpo.samples_per_group() == 12
+
+
+class _RecordingPolicy:
+    """Records each optimizer step's turns and advantages (no model)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[int, float]]] = []
+
+    def train_step(self, samples: list, advantages: list[float], algorithm: object) -> dict:  # type: ignore[type-arg]
+        self.steps.append([(len(s.token_ids), a) for s, a in zip(samples, advantages, strict=True)])
+        return {"optimizer_steps": 1.0, "loss": 0.5}
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["reverse", "joint"])
+def test_rtpo_updates_deepest_first_or_all_at_once(joint: bool) -> None:
+    """`rtpo.update`: reverse takes one step per turn depth, deepest first; joint (the
+    ablation) trains the same turns with the same advantages in one step."""
+    from trainer.algorithms import AlgorithmConfig
+    from trainer.loop import rtpo_step
+
+    prompt, key, after_key = turn("prompt"), turn("policy"), turn("env")
+    main = path_trajectory([prompt, key, after_key, turn("policy"), turn("env", 1.0)], 1.0)
+    branch = path_trajectory([prompt, key, after_key, turn("policy"), turn("env", 0.0)], 0.0)
+    other = path_trajectory(
+        [turn("prompt"), turn("policy"), turn("env"), turn("policy"), turn("env", 0.0)], 0.0
+    )
+    policy = _RecordingPolicy()
+    metrics = rtpo_step(policy, [main, branch, other], AlgorithmConfig(), True, joint=joint)  # type: ignore[arg-type]
+    # Turn contexts: a dial's sample is 3 + 2 + 3 + 2 tokens long, a key's 3 + 2.
+    reverse = [[(10, 1.0), (10, -1.0), (10, -1.0)], [(5, 1.0), (5, -1.0)]]
+    rounded = [sorted(((n, round(a, 3)) for n, a in step), reverse=True) for step in policy.steps]
+    expected = (
+        [sorted(reverse[0] + reverse[1], reverse=True)]
+        if joint
+        else [sorted(s, reverse=True) for s in reverse]
+    )
+    assert rounded == expected
+    assert metrics["rtpo_turns"] == 5 and metrics["rtpo_depths"] == 2
+    assert metrics["optimizer_steps"] == (1 if joint else 2)
