@@ -1,42 +1,93 @@
-"""RTPO against turn-level and trajectory-level GRPO on the credit-assignment env.
+"""RTPO against trajectory-level and turn-level GRPO, at equal samples and equal updates.
 
-`agentflow/vault-v0`: the first reply (the key) decides the largest reward, paid only at
-the end; the two dial turns after it earn small rewards of their own (envs/builtin/vault.py).
-Every run starts from the same warm start (made once here) and trains the same number of
-steps on the same number of trajectories per step, RTPO's re-rolls included:
+The question (docs/credit.md): does RTPO's per-turn credit (sparse reverse trees, one
+update per turn depth, deepest first) beat trajectory-level GRPO given as many optimizer
+steps, on envs where trajectory-level credit is noisy? Per env, one shared warm start
+(supervised on noisy-oracle episodes), then every arm trains the same number of steps
+from it, with about the same number of trajectories per step (re-rolls included):
 
-    grpo        12 episodes per task, 8 tasks per step      = 96 trajectories
-    turn_grpo   12 episodes per task, 8 tasks per step      = 96 trajectories
-    rtpo         4 episodes per task, each re-rolled once from each of its 2 dial turns
-                 (3 trajectories per episode), 8 tasks      = 96 trajectories
+    grpo            GRPO, one optimizer step per batch (the reference)
+    grpo_k          GRPO, K optimizer steps per batch (K = RTPO's turn depths)
+    turn_grpo_k     turn-level GRPO (returns-to-go per turn position), K steps
+    rtpo            RTPO: 1 re-roll per chosen turn, K steps (one per depth, deepest first)
+    rtpo_joint      ablation: RTPO's trees and advantages, K steps over all depths mixed
+                    (`rtpo.update = "joint"` with K minibatches) instead of depth by depth
+    rtpo_b2         ablation: 2 re-rolls per chosen turn (`rtpo.branches = 2`)
 
-Each run is `agentflow train` in its own process. Printed: the training reward by step
-(mean over seeds; RTPO's includes its re-rolls), then each final model evaluated on 400
-sampled episodes (mean return, key right, dials right), and the ratios against GRPO.
+The envs (`--envs`): `long-vault` (7 policy turns, noisy dial rewards), `slip-vault`
+(stochastic slips, jams and luck), `recall-vault` (dials answered against the agent's own
+key), `guess-number` (the built-in multi-turn family, the sanity check) and `vault` (the
+original three-turn env).
 
-    python -m bench.rtpo [--seeds 0 1] [--steps 40] [--variants ...] [--out bench-rtpo]
+Each run is `agentflow train` in its own process (`--jobs` at once). Printed per env: the
+warm start's and the oracle's return (400 episodes), the threshold (halfway from the
+warm start to the oracle), and per arm over the seeds: the final model's return and
+success on 400 sampled episodes (mean and spread), the steps and wall seconds until the
+training reward (a 3-step moving mean) first reaches the threshold, and the ratios of
+RTPO and its ablations against `grpo_k`. A JSON file of everything lands in `--out`.
+
+    python -m bench.rtpo --envs long-vault slip-vault recall-vault guess-number \\
+        --seeds 0 1 2 --steps 30 --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-# name: (trainer.algorithm, episodes per task, extra [trainer] lines)
-VARIANTS: dict[str, tuple[str, int, str]] = {
-    "grpo": ("grpo", 12, ""),
-    # RTPO takes one optimizer step per turn depth (3 here): GRPO with as many steps per
-    # batch tells more updates from better credit.
-    "grpo_3steps": ("grpo", 12, "minibatches = 3"),
-    "turn_grpo": ("turn_grpo", 12, ""),
-    "rtpo": ("rtpo", 4, ""),
+
+@dataclass(frozen=True)
+class EnvCase:
+    """One env of the study and the budgets its episodes need."""
+
+    id: str
+    max_turns: int  # the agent's turn budget; RTPO's turn depths (K) on a full episode
+    max_tokens: int  # the context budget of an episode
+    rtpo_group: int  # RTPO's episodes per task (its re-rolls fill the rest of a group)
+    branch_turns: int  # turns after the first each RTPO episode re-rolls from
+    max_new_tokens: int = 4
+
+
+ENVS: dict[str, EnvCase] = {
+    "long-vault": EnvCase("agentflow/long-vault-v0", 7, 320, 3, 3),
+    "slip-vault": EnvCase("agentflow/slip-vault-v0", 4, 192, 4, 2),
+    "recall-vault": EnvCase("agentflow/recall-vault-v0", 3, 160, 4, 2),
+    "guess-number": EnvCase("agentflow/guess-number-v0", 5, 320, 4, 2, max_new_tokens=6),
+    "vault": EnvCase("agentflow/vault-v0", 3, 160, 4, 2),
 }
-ENV = "agentflow/vault-v0"
+
+
+@dataclass(frozen=True)
+class Arm:
+    algorithm: str
+    k_steps: bool  # K optimizer steps per batch (RTPO's reverse update takes them by depth)
+    branches: int = 0
+    update: str = "reverse"
+
+
+ARMS: dict[str, Arm] = {
+    "grpo": Arm("grpo", k_steps=False),
+    "grpo_k": Arm("grpo", k_steps=True),
+    "turn_grpo_k": Arm("turn_grpo", k_steps=True),
+    "rtpo": Arm("rtpo", k_steps=True, branches=1),
+    "rtpo_joint": Arm("rtpo", k_steps=True, branches=1, update="joint"),
+    "rtpo_b2": Arm("rtpo", k_steps=True, branches=2),
+}
+GRPO_GROUP = 12  # episodes per task for the GRPO arms
+MODEL = "init = { layers = 2, hidden = 128, heads = 4, max_context = 512 }"
 
 BASE = """
 name = "{name}"
@@ -50,9 +101,9 @@ max_batch_size = 128
 id = "{env}"
 max_concurrency = 256
 [agent]
-max_turns = 3
-max_tokens = 128
-max_new_tokens = 4
+max_turns = {max_turns}
+max_tokens = {max_tokens}
+max_new_tokens = {max_new_tokens}
 temperature = 1.0
 [rollout]
 group_size = {group_size}
@@ -62,20 +113,20 @@ park_after_s = 60.0
 [trainer]
 algorithm = "{algorithm}"
 decoupled = false
-batch_episodes = 96
+batch_episodes = {batch}
+minibatches = {minibatches}
 lr = 2e-4
 steps = {steps}
 checkpoint_every = {steps}
 threads = 1
 run_dir = "{run_dir}"
-{trainer_extra}
-{extra}
+{rtpo}
 """
 
 WARM_START = """
 [warm_start]
 enabled = true
-n_episodes = 6000
+n_episodes = {episodes}
 p_oracle = 0.3
 epochs = 2
 batch_size = 32
@@ -84,27 +135,55 @@ eval_episodes = 0
 """
 
 
-def _config(out: Path, name: str, variant: str, seed: int, steps: int, model: str) -> Path:
-    algorithm, group_size, trainer_extra = VARIANTS[variant]
-    rtpo = algorithm == "rtpo"
-    text = BASE.format(
+def group_size(case: EnvCase, arm: Arm) -> int:
+    """Episodes per task: 12 for the GRPO arms; RTPO's re-rolls make up the rest of its
+    groups (one re-roll per chosen turn: `rtpo_group` episodes; two: half as many)."""
+    if arm.algorithm != "rtpo":
+        return GRPO_GROUP
+    return case.rtpo_group if arm.branches == 1 else max(2, case.rtpo_group // 2)
+
+
+def config_text(
+    case: EnvCase,
+    arm: Arm,
+    *,
+    name: str,
+    seed: int,
+    steps: int,
+    batch: int,
+    model: str,
+    run_dir: Path,
+) -> str:
+    """The run's TOML: same model, budgets, learning rate and trajectories per step for
+    every arm; K optimizer steps per batch for every arm but `grpo`."""
+    rtpo = ""
+    minibatches = case.max_turns if arm.k_steps else 1
+    if arm.algorithm == "rtpo":
+        # The reverse update already takes one step per depth: no minibatches on top.
+        minibatches = case.max_turns if arm.update == "joint" else 1
+        rtpo = (
+            f"[rtpo]\nbranches = {arm.branches}\nbranch_turns = {case.branch_turns}\n"
+            f'update = "{arm.update}"\n'
+        )
+    return BASE.format(
         name=name,
         seed=seed,
         model=model,
-        env=ENV,
-        group_size=group_size,
-        algorithm=algorithm,
+        env=case.id,
+        max_turns=case.max_turns,
+        max_tokens=case.max_tokens,
+        max_new_tokens=case.max_new_tokens,
+        group_size=group_size(case, arm),
+        algorithm=arm.algorithm,
+        batch=batch,
+        minibatches=minibatches,
         steps=steps,
-        run_dir=out / "runs",
-        trainer_extra=trainer_extra,
-        extra="[rtpo]\nbranches = 1\n" if rtpo else "",
+        run_dir=run_dir,
+        rtpo=rtpo,
     )
-    path = out / f"{name}.toml"
-    path.write_text(text)
-    return path
 
 
-def _run(*args: str) -> str:
+def _agentflow(*args: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "trainer.cli", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -117,90 +196,236 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
-def _rewards(run_dir: Path) -> list[float]:
+def curve(run_dir: Path) -> list[dict[str, float]]:
+    """Each step's training reward and the wall seconds since the run's first row."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    by_step = {int(r["step"]): float(r["reward"]) for r in rows}
-    return [by_step[s] for s in sorted(by_step)]
+    by_step = {int(r["step"]): r for r in rows}
+    return [
+        {"reward": float(by_step[s]["reward"]), "time": float(by_step[s].get("time", 0.0))}
+        for s in sorted(by_step)
+    ]
 
 
-def _evaluate(model: Path, episodes: int) -> dict[str, float]:
-    """Mean return and the key's and dials' hit rates, from the model's own episodes."""
-    import asyncio
+def first_reaching(rewards: list[float], threshold: float, window: int = 3) -> int | None:
+    """The first step (1-based) whose trailing `window`-step mean reward reaches
+    `threshold`, or None."""
+    for i in range(len(rewards)):
+        recent = rewards[max(0, i - window + 1) : i + 1]
+        if len(recent) == window and sum(recent) / window >= threshold:
+            return i + 1
+    return None
 
+
+def evaluate_model(
+    case: EnvCase, model: Path | None, episodes: int, seed: int = 0
+) -> dict[str, float]:
+    """Mean return and success rate of `model` (None: the env's oracle) over `episodes`
+    sampled episodes of the env."""
+    from agentflow.tokenization import ByteTokenizer
+    from agentflow.tokenization.chat import ByteChatTemplate
+
+    if model is None:
+        return asyncio.run(_oracle_return(case, episodes, seed))
     from transformers.utils import logging as hf_logging
 
     from agentflow.modeling import load_model
-    from agentflow.tokenization import ByteTokenizer
-    from agentflow.tokenization.chat import ByteChatTemplate
     from trainer.evaluation import evaluate
 
     hf_logging.disable_progress_bar()
     metrics = asyncio.run(
         evaluate(
             load_model(model),
-            ENV,
+            case.id,
             episodes,
             ByteChatTemplate(ByteTokenizer()),
-            max_turns=3,
-            max_tokens=128,
-            max_new_tokens=4,
+            seed=seed,
+            max_turns=case.max_turns,
+            max_tokens=case.max_tokens,
+            max_new_tokens=case.max_new_tokens,
         )
     )
-    return {"return": metrics.mean_reward, "key": metrics.success_rate}
+    return {"return": metrics.mean_reward, "success": metrics.success_rate}
+
+
+async def _oracle_return(case: EnvCase, episodes: int, seed: int) -> dict[str, float]:
+    from envs import registry
+
+    oracle = registry.oracle(case.id)
+    env = registry.make(case.id)
+    total, successes = 0.0, 0
+    try:
+        for k in range(episodes):
+            result = await env.reset(seed=seed * 100_003 + k)
+            history = [result.observation]
+            while not (result.terminated or result.truncated):
+                result = await env.step(oracle(history))
+                history.append(result.observation)
+                total += result.reward
+            successes += bool(result.info.get("success"))
+    finally:
+        await env.close()
+    return {"return": total / episodes, "success": successes / episodes}
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(
+    arms: list[str], runs: dict[str, list[dict[str, Any]]], threshold: float
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        seeds = runs[arm]
+        reached = [first_reaching([c["reward"] for c in r["curve"]], threshold) for r in seeds]
+        seconds = [
+            r["curve"][step - 1]["time"] for r, step in zip(seeds, reached, strict=True) if step
+        ]
+        out[arm] = {
+            "return": spread([r["final"]["return"] for r in seeds]),
+            "success": spread([r["final"]["success"] for r in seeds]),
+            "steps_to_threshold": reached,
+            "seconds_to_threshold": seconds,
+            "wall_seconds": spread([r["wall_seconds"] for r in seeds]),
+            "trajectories_per_step": spread([r["trajectories_per_step"] for r in seeds]),
+        }
+    return out
+
+
+def print_env(name: str, env: dict[str, Any], arms: list[str]) -> None:
+    print(
+        f"\n## {name} ({env['id']}): warm start {env['warm']['return']:.3f}, oracle "
+        f"{env['oracle']['return']:.3f}, threshold {env['threshold']:.3f}"
+    )
+    print(
+        f"{'arm':>12} {'return':>15} {'success':>15} {'steps to thr.':>16} "
+        f"{'s to thr.':>12} {'traj/step':>9} {'run s':>7}"
+    )
+    table = env["arms"]
+    for arm in arms:
+        row = table[arm]
+        steps = ",".join("-" if s is None else str(s) for s in row["steps_to_threshold"])
+        secs = row["seconds_to_threshold"]
+        print(
+            f"{arm:>12} {row['return'][0]:>8.3f} ±{row['return'][1]:.3f} "
+            f"{row['success'][0]:>8.3f} ±{row['success'][1]:.3f} {steps:>16} "
+            f"{(statistics.fmean(secs) if secs else math.nan):>12.0f} "
+            f"{row['trajectories_per_step'][0]:>9.1f} {row['wall_seconds'][0]:>7.0f}"
+        )
+    base = table.get("grpo_k")
+    if base is not None:
+        for arm in (a for a in arms if a.startswith("rtpo") or a == "grpo"):
+            ratio = table[arm]["return"][0] / max(base["return"][0], 1e-9)
+            gap = table[arm]["return"][0] - base["return"][0]
+            noise = math.hypot(table[arm]["return"][1], base["return"][1])
+            print(f"{arm} / grpo_k: return x{ratio:.3f} ({gap:+.3f}; seeds' spread ±{noise:.3f})")
+
+
+def _one_run(
+    out: Path,
+    case_name: str,
+    arm_name: str,
+    seed: int,
+    steps: int,
+    batch: int,
+    model: str,
+    episodes: int,
+) -> dict[str, Any]:
+    case, arm = ENVS[case_name], ARMS[arm_name]
+    name = f"{case_name}-{arm_name}-seed{seed}"
+    config = out / f"{name}.toml"
+    run_dir = out / "runs"
+    config.write_text(
+        config_text(
+            case, arm, name=name, seed=seed, steps=steps, batch=batch, model=model, run_dir=run_dir
+        )
+    )
+    started = time.perf_counter()
+    _agentflow("train", str(config))
+    wall = time.perf_counter() - started
+    run = run_dir / name
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = run / "checkpoints" / f"step-{steps:08d}" / "model"
+    result = {
+        "curve": curve(run),
+        "final": evaluate_model(case, final, episodes),
+        "wall_seconds": wall,
+        "trajectories_per_step": statistics.fmean(float(r.get("trajectories", 0)) for r in rows),
+    }
+    print(f"{name}: {result['final']} in {wall:.0f} s", flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--episodes", type=int, default=400)
+    parser.add_argument("--envs", nargs="+", choices=list(ENVS), default=list(ENVS)[:4])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=60, help="trajectories per step")
+    parser.add_argument("--warm-episodes", type=int, default=6000)
+    parser.add_argument("--episodes", type=int, default=400, help="per evaluation")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--out", type=Path, default=Path("bench-rtpo"))
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
-    algorithms: tuple[str, ...] = tuple(args.variants)
     out: Path = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-
-    # One warm start for every run: made by the first config, then given as model.path.
-    init = "init = { layers = 2, hidden = 128, heads = 4, max_context = 256 }"
-    warm = _config(out, "warm", "grpo", 0, 1, init)
-    warm.write_text(warm.read_text() + WARM_START)
-    _run("sft", str(warm), "--out", str(out / "sft"))
-    model = f'path = "{out / "sft"}"'
-
-    curves: dict[str, list[list[float]]] = {a: [] for a in algorithms}
-    finals: dict[str, list[dict[str, float]]] = {a: [] for a in algorithms}
-    for seed in args.seeds:
-        for algorithm in algorithms:
-            name = f"{algorithm}-seed{seed}"
-            config = _config(out, name, algorithm, seed, args.steps, model)
-            _run("train", str(config))
-            run_dir = out / "runs" / name
-            curves[algorithm].append(_rewards(run_dir))
-            final = run_dir / "checkpoints" / f"step-{args.steps:08d}" / "model"
-            finals[algorithm].append(_evaluate(final, args.episodes))
-            print(f"{name}: final {finals[algorithm][-1]}", flush=True)
-
-    print(f"\ntraining reward by step (mean of seeds {args.seeds}; rtpo's includes re-rolls)")
-    print(f"{'step':>5} " + " ".join(f"{a:>12}" for a in algorithms))
-    for step in range(0, args.steps, max(1, args.steps // 10)):
-        cells = [sum(c[step] for c in curves[a]) / len(curves[a]) for a in algorithms]
-        print(f"{step + 1:>5} " + " ".join(f"{v:>12.3f}" for v in cells))
-    print(f"\nfinal models, {args.episodes} sampled episodes each (mean of seeds)")
-    print(f"{'':>12} {'return':>8} {'key':>8}")
-    mean = {
-        a: {k: sum(f[k] for f in finals[a]) / len(finals[a]) for k in ("return", "key")}
-        for a in algorithms
-    }
-    for a in algorithms:
-        print(f"{a:>12} {mean[a]['return']:>8.3f} {mean[a]['key']:>8.3f}")
-    if "rtpo" in mean:
-        for a in (a for a in algorithms if a != "rtpo"):
-            print(
-                f"rtpo / {a}: return {mean['rtpo']['return'] / max(mean[a]['return'], 1e-9):.3f}"
-                f", key {mean['rtpo']['key'] / max(mean[a]['key'], 1e-9):.3f}"
+    started = time.perf_counter()
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "envs": {}}
+    for case_name in args.envs:
+        case = ENVS[case_name]
+        # One warm start per env, shared by every arm and seed.
+        warm = out / f"{case_name}-warm.toml"
+        warm.write_text(
+            config_text(
+                case,
+                ARMS["grpo"],
+                name=f"{case_name}-warm",
+                seed=0,
+                steps=1,
+                batch=args.batch,
+                model=MODEL,
+                run_dir=out / "runs",
             )
+            + WARM_START.format(episodes=args.warm_episodes)
+        )
+        sft = out / f"{case_name}-sft"
+        _agentflow("sft", str(warm), "--out", str(sft))
+        warm_eval = evaluate_model(case, sft, args.episodes)
+        oracle = evaluate_model(case, None, args.episodes)
+        threshold = warm_eval["return"] + 0.5 * (oracle["return"] - warm_eval["return"])
+        print(f"{case_name}: warm start {warm_eval}, oracle {oracle}", flush=True)
+        jobs = [(arm, seed) for seed in args.seeds for arm in args.arms]
+        play = functools.partial(
+            _one_run,
+            out,
+            case_name,
+            steps=args.steps,
+            batch=args.batch,
+            model=f'path = "{sft}"',
+            episodes=args.episodes,
+        )
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            done = list(pool.map(play, [a for a, _ in jobs], [s for _, s in jobs]))
+        runs: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
+        for (arm, _), result in zip(jobs, done, strict=True):
+            runs[arm].append(result)
+        report["envs"][case_name] = {
+            "id": case.id,
+            "case": asdict(case),
+            "warm": warm_eval,
+            "oracle": oracle,
+            "threshold": threshold,
+            "arms": summarize(args.arms, runs, threshold),
+            "runs": runs,
+        }
+        print_env(case_name, report["envs"][case_name], args.arms)
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+    report["machine_seconds"] = time.perf_counter() - started
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":
