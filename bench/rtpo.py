@@ -16,8 +16,9 @@ from it, with about the same number of trajectories per step (re-rolls included)
 
 The envs (`--envs`): `long-vault` (7 policy turns, noisy dial rewards), `slip-vault`
 (stochastic slips, jams and luck), `recall-vault` (dials answered against the agent's own
-key), `guess-number` (the built-in multi-turn family, the sanity check) and `vault` (the
-original three-turn env).
+key), and two existing multi-turn families as sanity checks: `tictactoe` (TextArena's game
+against a random opponent, on the compact board view) and `guess-number`; and `vault`
+(the original three-turn env).
 
 Each run is `agentflow train` in its own process (`--jobs` at once). Printed per env: the
 warm start's and the oracle's return (400 episodes), the threshold (halfway from the
@@ -59,6 +60,7 @@ class EnvCase:
     rtpo_group: int  # RTPO's episodes per task (its re-rolls fill the rest of a group)
     branch_turns: int  # turns after the first each RTPO episode re-rolls from
     max_new_tokens: int = 4
+    kwargs: tuple[tuple[str, str], ...] = ()  # the env's arguments (strings)
 
 
 ENVS: dict[str, EnvCase] = {
@@ -67,7 +69,12 @@ ENVS: dict[str, EnvCase] = {
     "recall-vault": EnvCase("agentflow/recall-vault-v0", 3, 160, 4, 2),
     "guess-number": EnvCase("agentflow/guess-number-v0", 5, 320, 4, 2, max_new_tokens=6),
     "vault": EnvCase("agentflow/vault-v0", 3, 160, 4, 2),
+    # TextArena's game against a random opponent, on the compact board line.
+    "tictactoe": EnvCase("textarena/TicTacToe-v0", 6, 512, 4, 2, kwargs=(("view", "board"),)),
 }
+
+# The default study: the three envs built for it and one existing family.
+STUDY = ("long-vault", "slip-vault", "recall-vault", "tictactoe")
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ max_batch_size = 128
 [[envs]]
 id = "{env}"
 max_concurrency = 256
+kwargs = {{ {kwargs} }}
 [agent]
 max_turns = {max_turns}
 max_tokens = {max_tokens}
@@ -170,6 +178,7 @@ def config_text(
         seed=seed,
         model=model,
         env=case.id,
+        kwargs=", ".join(f'{k} = "{v}"' for k, v in case.kwargs),
         max_turns=case.max_turns,
         max_tokens=case.max_tokens,
         max_new_tokens=case.max_new_tokens,
@@ -242,6 +251,7 @@ def evaluate_model(
             max_turns=case.max_turns,
             max_tokens=case.max_tokens,
             max_new_tokens=case.max_new_tokens,
+            env_kwargs={case.id: dict(case.kwargs)} if case.kwargs else None,
         )
     )
     return {"return": metrics.mean_reward, "success": metrics.success_rate}
@@ -251,7 +261,7 @@ async def _oracle_return(case: EnvCase, episodes: int, seed: int) -> dict[str, f
     from envs import registry
 
     oracle = registry.oracle(case.id)
-    env = registry.make(case.id)
+    env = registry.make(case.id, **dict(case.kwargs))
     total, successes = 0.0, 0
     try:
         for k in range(episodes):
@@ -359,7 +369,7 @@ def _one_run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--envs", nargs="+", choices=list(ENVS), default=list(ENVS)[:4])
+    parser.add_argument("--envs", nargs="+", choices=list(ENVS), default=list(STUDY))
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=30)

@@ -15,6 +15,16 @@ _ADAPTED = (
 )
 
 
+# the envs with a scripted player (`module:oracle` under envs.adapters)
+_ORACLES = {"textarena/TicTacToe-v0": "tictactoe:oracle"}
+
+
 def register() -> None:
     for env_id, entry_point in _ADAPTED:
-        registry.register(env_id, f"envs.adapters.{entry_point}", replace=True)
+        oracle = _ORACLES.get(env_id)
+        registry.register(
+            env_id,
+            f"envs.adapters.{entry_point}",
+            oracle=None if oracle is None else f"envs.adapters.{oracle}",
+            replace=True,
+        )

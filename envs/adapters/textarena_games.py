@@ -10,6 +10,13 @@ invalid move earns a warning and a retry, a second in a row loses the game. Rewa
 the end: 1 for a win, 0.5 for a draw, 0 for a loss (TextArena's +1/0/-1 is in
 ``info["textarena_reward"]``). Observations carry only the text that is new to the agent.
 
+``view="board"`` (TicTacToe only) replaces TextArena's text with a compact line the agent
+can read in a small context: ``board O.X|.O.|.X. moves 1 3 5 6 8`` (rows top to bottom,
+``.`` empty; the agent is O when it moves first, X otherwise), prefixed ``invalid.`` after
+a move the game refused, and ending ``you won.``, ``draw.`` or ``you lost.``. The game,
+its rules and rewards are TextArena's either way; an episode's text is about a fifth as
+long (the credit study, bench/rtpo.py, trains on it).
+
 Both games run offline (TextArena's word games download data; these do not).
 """
 
@@ -40,14 +47,18 @@ class TextArenaGame(TurnEnv):
         opponent: Literal["random", "first"] = "random",
         agent_player: int = 0,
         max_turns: int = 60,
+        view: Literal["text", "board"] = "text",
     ) -> None:
         if game not in GAMES:
             raise ValueError(f"game must be one of {GAMES}")
         if agent_player not in (0, 1) or opponent not in ("random", "first"):
             raise ValueError("agent_player must be 0 or 1; opponent 'random' or 'first'")
+        if view not in ("text", "board") or (view == "board" and game != "TicTacToe-v0"):
+            raise ValueError("view must be 'text', or 'board' for TicTacToe-v0")
         super().__init__(max_turns=max_turns)
         self.env_id = f"textarena/{game}"
         self.game, self.opponent, self.agent_player = game, opponent, agent_player
+        self.view = view
         self.ta_env: Any = None
         self._seen = ""
 
@@ -78,14 +89,19 @@ class TextArenaGame(TurnEnv):
         self.ta_env.reset(num_players=2, seed=self.seed)
         self._seen = ""
         self._opponent_moves()
-        return _user(self._new_text())
+        return _user(self._board_line() if self.view == "board" else self._new_text())
 
     async def _turn(self, action: Action) -> Outcome:
         assert isinstance(action, TextAction)
+        before = self._cells()
         self.ta_env.step(action.text)
+        refused = self._cells() == before
         self._opponent_moves()
         state = self.ta_env.state
         if not state.done:
+            if self.view == "board":
+                line = self._board_line()
+                return Outcome(_user(f"invalid. {line}" if refused else line))
             return Outcome(_user(self._new_text()))
         raw = float(state.rewards[self.agent_player])
         reward = {1.0: 1.0, 0.0: 0.5}.get(raw, 0.0)
@@ -97,7 +113,23 @@ class TextArenaGame(TurnEnv):
             info={"textarena_reward": raw, "success": raw > 0},
         )
 
+    def _cells(self) -> str:
+        """The TicTacToe board as nine characters, rows top to bottom (`.` empty)."""
+        if self.game != "TicTacToe-v0":
+            return ""
+        board = self.ta_env.state.game_state["board"]
+        return "".join(cell or "." for row in board for cell in row)
+
+    def _board_line(self) -> str:
+        cells = self._cells()
+        rows = "|".join(cells[i : i + 3] for i in (0, 3, 6))
+        moves = " ".join(str(i) for i, cell in enumerate(cells) if cell == ".")
+        return f"board {rows} moves {moves}"
+
     def _final_text(self, raw: float) -> str:
+        if self.view == "board":
+            outcome = "you won." if raw > 0 else "draw." if raw == 0 else "you lost."
+            return f"{self._board_line().partition(' moves')[0]} {outcome}"
         outcome = "You won." if raw > 0 else "Draw." if raw == 0 else "You lost."
         board = self.ta_env.get_board_str() if hasattr(self.ta_env, "get_board_str") else ""
         return f"{board}\n{outcome}".strip()
