@@ -332,6 +332,49 @@ def print_env(name: str, env: dict[str, Any], arms: list[str]) -> None:
             print(f"{arm} / grpo_k: return x{ratio:.3f} ({gap:+.3f}; seeds' spread ±{noise:.3f})")
 
 
+def compare(row: dict[str, Any], base: dict[str, Any], n: int) -> tuple[float, float, str]:
+    """`row`'s final return against `base`'s over `n` seeds each: the gap of the means,
+    its standard error, and a verdict: ahead or behind beyond two standard errors (about
+    95% for a normal spread), else level."""
+    gap = row["return"][0] - base["return"][0]
+    error = math.sqrt((row["return"][1] ** 2 + base["return"][1] ** 2) / max(n, 1))
+    verdict = "level" if abs(gap) <= 2 * error else "ahead" if gap > 0 else "behind"
+    return gap, error, verdict
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables as Markdown (docs/credit.md)."""
+    lines: list[str] = []
+    for name, env in report["envs"].items():
+        table = env["arms"]
+        n = len(next(iter(table.values()))["steps_to_threshold"])
+        lines += [
+            f"**{name}** (`{env['id']}`): warm start {env['warm']['return']:.3f} "
+            f"(success {env['warm']['success']:.3f}), oracle {env['oracle']['return']:.3f}; "
+            f"threshold {env['threshold']:.3f}; {n} seeds",
+            "",
+            "| arm | final return | success | steps to threshold | s to threshold "
+            "| trajectories/step | against grpo_k |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        base = table.get("grpo_k")
+        for arm, row in table.items():
+            steps = ", ".join("-" if s is None else str(s) for s in row["steps_to_threshold"])
+            secs = row["seconds_to_threshold"]
+            against = ""
+            if base is not None and arm != "grpo_k":
+                gap, error, verdict = compare(row, base, n)
+                against = f"{gap:+.3f} ± {error:.3f}: {verdict}"
+            lines.append(
+                f"| {arm} | {row['return'][0]:.3f} ± {row['return'][1]:.3f} "
+                f"| {row['success'][0]:.3f} ± {row['success'][1]:.3f} | {steps} "
+                f"| {f'{statistics.fmean(secs):.0f}' if secs else '-'} "
+                f"| {row['trajectories_per_step'][0]:.0f} | {against} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _one_run(
     out: Path,
     case_name: str,
@@ -378,7 +421,13 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=400, help="per evaluation")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--out", type=Path, default=Path("bench-rtpo"))
+    parser.add_argument(
+        "--report", type=Path, help="print a finished run's report.json as Markdown tables"
+    )
     args = parser.parse_args()
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return
     out: Path = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

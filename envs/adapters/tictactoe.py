@@ -39,7 +39,7 @@ def _winner(board: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _value(board: str, me: str, to_move: str) -> int:
     """The game's value for `me` with `to_move` to play: positive a win, 0 a draw,
     negative a loss, larger the sooner a win comes (and the later a loss)."""

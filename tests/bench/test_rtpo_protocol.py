@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentflow.run_config import load_run_config
-from bench.rtpo import ARMS, ENVS, config_text, first_reaching, spread
+from bench.rtpo import ARMS, ENVS, compare, config_text, first_reaching, markdown, spread
 from trainer.setup import loop_settings
 
 
@@ -59,3 +59,37 @@ def test_steps_to_the_threshold_read_a_moving_mean() -> None:
     mean, sd = spread([1.0, 2.0, 3.0])
     assert mean == 2.0 and math.isclose(sd, 1.0)
     assert spread([0.5]) == (0.5, 0.0)
+
+
+def test_an_arm_is_ahead_or_behind_only_beyond_two_standard_errors() -> None:
+    base = {"return": (1.0, 0.1)}
+    # 3 seeds, spreads 0.1 each: the standard error of the gap is sqrt(0.02 / 3) = 0.082.
+    gap, error, verdict = compare({"return": (1.2, 0.1)}, base, 3)
+    assert math.isclose(gap, 0.2) and math.isclose(error, math.sqrt(0.02 / 3))
+    assert verdict == "ahead"
+    assert compare({"return": (1.1, 0.1)}, base, 3)[2] == "level"
+    assert compare({"return": (0.7, 0.1)}, base, 3)[2] == "behind"
+
+
+def test_the_report_prints_one_markdown_row_per_arm() -> None:
+    row = {
+        "return": (1.0, 0.1),
+        "success": (0.5, 0.05),
+        "steps_to_threshold": [3, None],
+        "seconds_to_threshold": [12.0],
+        "trajectories_per_step": (60.0, 0.0),
+    }
+    report = {
+        "envs": {
+            "vault": {
+                "id": "agentflow/vault-v0",
+                "warm": {"return": 0.5, "success": 0.3},
+                "oracle": {"return": 1.4, "success": 1.0},
+                "threshold": 0.95,
+                "arms": {"grpo_k": row, "rtpo": {**row, "return": (1.5, 0.1)}},
+            }
+        }
+    }
+    text = markdown(report)
+    assert "| grpo_k | 1.000 ± 0.100 | 0.500 ± 0.050 | 3, - | 12 | 60 |  |" in text
+    assert "| rtpo | 1.500 ± 0.100 |" in text and "+0.500 ± 0.100: ahead" in text
