@@ -2,12 +2,17 @@
 earlier reply.
 
 The key turn is the vault's (`vault 7. key?`: the vault's digit opens it, paid 1 at the
-end). Each dial then asks `key plus 3?`: the right reply is the key the agent gave plus
-the dial's digit, mod 10, whether that key was right or not, and pays `dial_reward` at
-once. The key is never repeated by the env: it is in the context only as the agent's own
-reply. So a dial turn is right only under the context it was sampled in, and a trainer
-that trained it under another (a re-rendered or re-sampled history) would teach it the
-wrong digit. A key reply with no digit counts as 0.
+end). Each dial then asks `key plus 1?` (the shift drawn from `0 .. shifts - 1`): the
+right reply is the key the agent gave plus the shift, mod 10, whether that key was right
+or not, and pays `dial_reward` at once. The key is never repeated by the env: it is in
+the context only as the agent's own reply. So a dial turn is right only under the context
+it was sampled in, and a trainer that trained it under another (a re-rendered or
+re-sampled history) would teach it the wrong digit. A key reply with no digit counts
+as 0.
+
+Two shifts by default: with ten (any digit), a small model did not learn the sum from a
+warm start and thirty steps of RL (docs/credit.md), and the dials paid nothing to learn
+from.
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ _DIAL = re.compile(r"key plus (\d)\?\s*$")
 class RecallVaultEnv(VaultEnv):
     env_id = "agentflow/recall-vault-v0"
 
+    def __init__(self, dials: int = 2, dial_reward: float = 0.2, shifts: int = 2) -> None:
+        if not 1 <= shifts <= 10:
+            raise ValueError("shifts must be in [1, 10]")
+        super().__init__(dials=dials, dial_reward=dial_reward)
+        self.shifts = shifts
+
     def _next_dial(self) -> Observation:
-        self.dial = self.rng.randrange(10)
+        self.dial = self.rng.randrange(self.shifts)
         return _user(f"key plus {self.dial}?")
 
     def dial_answer(self) -> int:

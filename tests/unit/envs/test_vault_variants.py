@@ -139,3 +139,16 @@ async def test_the_recall_vault_noisy_oracle_answers_against_its_own_key() -> No
         rewards.append(total)
     assert all(r == pytest.approx(1.4) for r in rewards[0::2])  # p_oracle 1: all right
     assert sum(rewards[1::2]) / 15 < 0.5  # p_oracle 0: random digits
+
+
+async def test_a_recall_vault_dial_shifts_the_key_by_less_than_shifts() -> None:
+    for shifts in (1, 2, 10):
+        env = RecallVaultEnv(shifts=shifts)
+        seen = set()
+        for seed in range(40):
+            await env.reset(seed=seed)
+            await env.step(TextAction(text="5"))
+            seen.add(env.dial)
+        assert seen == set(range(shifts))
+    with pytest.raises(ValueError, match="shifts"):
+        RecallVaultEnv(shifts=11)
