@@ -566,7 +566,8 @@ class TrainerConfig(_Section):
         "r - group mean; turn_grpo: per policy turn, its return-to-go against the group's "
         "turns at that position; rtpo: re-rolled continuations ([rtpo]) give each turn its "
         "own advantage, updated deepest turn first (trainer.credit); all with the "
-        "decoupled PPO-clip loss",
+        "decoupled PPO-clip loss. For multi-turn envs the credit study (docs/credit.md) "
+        "advises grpo or turn_grpo with trainer.minibatches = the turns of an episode",
     )
     batch_episodes: Int64 = Field(default=64, ge=1, description="episodes per optimizer step")
     lr: float = Field(default=3e-4, gt=0, le=1.0, description="AdamW learning rate")
