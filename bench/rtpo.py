@@ -205,9 +205,9 @@ def _agentflow(*args: str) -> str:
     return done.stdout
 
 
-def curve(run_dir: Path) -> list[dict[str, float]]:
-    """Each step's training reward and the wall seconds since the run's first row."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def curve(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each step's training reward and the wall seconds since the run started, from its
+    metrics rows."""
     by_step = {int(r["step"]): r for r in rows}
     return [
         {"reward": float(by_step[s]["reward"]), "time": float(by_step[s].get("time", 0.0))}
@@ -401,7 +401,7 @@ def _one_run(
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     final = run / "checkpoints" / f"step-{steps:08d}" / "model"
     result = {
-        "curve": curve(run),
+        "curve": curve(rows),
         "final": evaluate_model(case, final, episodes),
         "wall_seconds": wall,
         "trajectories_per_step": statistics.fmean(float(r.get("trajectories", 0)) for r in rows),

@@ -178,6 +178,12 @@ def last_integer(text: str) -> int | None:
 TextPlayer = Callable[[Sequence[Observation]], TextAction]
 
 
+def last_text(history: Sequence[Observation]) -> str:
+    """What a scripted player reads: the newest observation's last message ("" before
+    any)."""
+    return history[-1].messages[-1].content if history and history[-1].messages else ""
+
+
 def noisy_text_player(
     answer: Callable[[Sequence[Observation]], str],
     guess: Callable[[random.Random, Sequence[Observation]], str],

@@ -93,9 +93,9 @@ class TextArenaGame(TurnEnv):
 
     async def _turn(self, action: Action) -> Outcome:
         assert isinstance(action, TextAction)
-        before = self._cells()
+        before = self._cells() if self.view == "board" else ""
         self.ta_env.step(action.text)
-        refused = self._cells() == before
+        refused = self.view == "board" and self._cells() == before
         self._opponent_moves()
         state = self.ta_env.state
         if not state.done:

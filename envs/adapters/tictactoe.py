@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 
 from envs.base import Observation, TextAction
-from envs.turn_env import TextPlayer
+from envs.turn_env import TextPlayer, last_text, noisy_text_player
 
 _LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 _COMPACT = re.compile(r"board ([OX.]{3})\|([OX.]{3})\|([OX.]{3})")
@@ -21,7 +21,7 @@ _ROW = re.compile(r"^ ?([OX0-8]) \| ([OX0-8]) \| ([OX0-8]) ?$", re.MULTILINE)
 
 def read_board(history: Sequence[Observation]) -> str:
     """The last board shown, as nine characters (`O`, `X`, `.`), rows top to bottom."""
-    text = history[-1].messages[-1].content if history and history[-1].messages else ""
+    text = last_text(history)
     compact = _COMPACT.findall(text)
     if compact:
         return "".join(compact[-1])
@@ -69,22 +69,20 @@ def best_move(board: str) -> int:
     return max(empty, key=lambda i: (_value(board[:i] + me + board[i + 1 :], me, other), -i))
 
 
+def _answer(history: Sequence[Observation]) -> str:
+    return f"[{best_move(read_board(history))}]"
+
+
+def _guess(rng: random.Random, history: Sequence[Observation]) -> str:
+    empty = [i for i, cell in enumerate(read_board(history)) if cell == "."] or [0]
+    return f"[{rng.choice(empty)}]"
+
+
 def oracle(history: Sequence[Observation]) -> TextAction:
     """The minimax move, as `[cell]`."""
-    return TextAction(text=f"[{best_move(read_board(history))}]")
+    return TextAction(text=_answer(history))
 
 
 def noisy_oracle(p_oracle: float, seed: int | None = None) -> TextPlayer:
     """The minimax move with probability ``p_oracle``, else a random empty cell."""
-    if not 0.0 <= p_oracle <= 1.0:
-        raise ValueError("p_oracle must be in [0, 1]")
-    rng = random.Random(seed)
-
-    def policy(history: Sequence[Observation]) -> TextAction:
-        board = read_board(history)
-        if rng.random() < p_oracle:
-            return TextAction(text=f"[{best_move(board)}]")
-        empty = [i for i, cell in enumerate(board) if cell == "."] or [0]
-        return TextAction(text=f"[{rng.choice(empty)}]")
-
-    return policy
+    return noisy_text_player(_answer, _guess, p_oracle, seed)

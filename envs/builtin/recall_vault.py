@@ -22,10 +22,9 @@ import re
 from collections.abc import Sequence
 
 from envs.base import Observation, TextAction
-from envs.builtin.vault import VaultEnv, _user
-from envs.turn_env import TextPlayer
+from envs.builtin.vault import _VAULT, VaultEnv, _user
+from envs.turn_env import TextPlayer, last_text
 
-_VAULT = re.compile(r"vault (\d)\. key\?")
 _DIAL = re.compile(r"key plus (\d)\?\s*$")
 
 
@@ -46,17 +45,13 @@ class RecallVaultEnv(VaultEnv):
         return ((self.key or 0) + self.dial) % 10
 
 
-def _text(history: Sequence[Observation]) -> str:
-    return history[-1].messages[-1].content if history and history[-1].messages else ""
-
-
 def _reply(history: Sequence[Observation], key: int) -> str:
-    dial = _DIAL.search(_text(history))
+    dial = _DIAL.search(last_text(history))
     return str((key + int(dial.group(1))) % 10) if dial is not None else "0"
 
 
 def _vault(history: Sequence[Observation]) -> int:
-    found = _VAULT.search(_text(history[:1]))
+    found = _VAULT.search(last_text(history[:1]))
     return int(found.group(1)) if found is not None else 0
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from envs.base import Action, Message, Observation, TextAction
-from envs.turn_env import Outcome, TextPlayer, TurnEnv, noisy_text_player
+from envs.turn_env import Outcome, TextPlayer, TurnEnv, last_text, noisy_text_player
 
 _DIGIT = re.compile(r"\d")
 _VAULT = re.compile(r"vault (\d)\. key\?")
@@ -113,7 +113,7 @@ class VaultEnv(TurnEnv):
 
 
 def _answer(history: Sequence[Observation]) -> str:
-    text = history[-1].messages[-1].content if history and history[-1].messages else ""
+    text = last_text(history)
     vault = _VAULT.search(text)
     if vault is not None:
         return vault.group(1)
