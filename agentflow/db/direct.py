@@ -6,11 +6,14 @@ explain it as on the SQLAlchemy path."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from sqlalchemy import Table
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
 
 
 def insert_sql(table: Table, columns: Sequence[str]) -> str:
@@ -25,6 +28,41 @@ async def executemany(driver: Any, sql: str, records: Sequence[tuple[Any, ...]])
     import asyncpg  # only with the asyncpg driver
 
     try:
-        await driver.executemany(sql, records)
+        if len(records) == 1:  # one Bind/Execute: less work than executemany's pipeline
+            await driver.execute(sql, *records[0])
+        else:
+            await driver.executemany(sql, records)
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise IntegrityError(sql, None, exc) from exc
+
+
+@contextlib.asynccontextmanager
+async def pooled_driver(engine: AsyncEngine) -> AsyncIterator[Any]:
+    """An asyncpg connection from `engine`'s pool, checked out from the pool itself: an
+    `AsyncConnection` and its switch to autocommit cost more CPU (about 140-210 µs per
+    checkout) than the statement a group commit runs on it (about 55 µs here). Outside
+    `driver.transaction()` asyncpg commits each statement by itself.
+
+    A connection that was lost, or whose user was cancelled (perhaps mid-statement), is
+    closed rather than pooled again, so the next checkout gets a sound one; a statement
+    the server refused leaves it sound."""
+    import asyncpg  # only with the asyncpg driver
+
+    fairy = await greenlet_spawn(engine.sync_engine.pool.connect)
+    driver: Any = fairy.driver_connection
+    try:
+        yield driver
+    except BaseException as exc:
+        lost = (
+            asyncpg.PostgresConnectionError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+            OSError,
+            TimeoutError,
+        )
+        if not isinstance(exc, Exception) or isinstance(exc, lost) or driver.is_closed():
+            await greenlet_spawn(fairy.invalidate, exc)
+        else:  # the server refused a statement, or the caller's own check failed: sound
+            await greenlet_spawn(fairy.close)
+        raise
+    await greenlet_spawn(fairy.close)

@@ -14,9 +14,8 @@ and JSON (`agentflow.db.storable`), JSON serialized (`agentflow.db.direct` runs 
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import orjson
@@ -186,12 +185,3 @@ class AsyncpgStatements:
 
     async def _many(self, sql: str, records: list[tuple[Any, ...]]) -> None:
         await direct.executemany(self.driver, sql, records)
-
-
-@contextlib.asynccontextmanager
-async def direct_transaction(conn: AsyncConnection) -> AsyncIterator[AsyncpgStatements]:
-    """`AsyncpgStatements` in one asyncpg transaction on `conn`, an autocommit connection
-    (so SQLAlchemy starts none of its own on it)."""
-    driver: Any = (await conn.get_raw_connection()).driver_connection
-    async with driver.transaction():
-        yield AsyncpgStatements(driver)

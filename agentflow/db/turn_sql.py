@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionm
 from agentflow.db import direct, turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
+from agentflow.db.packing import pack_floats, pack_ints, pack_mask
 from agentflow.db.storable import storable
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import NewTurn, TurnRecord
@@ -54,21 +55,9 @@ def chunks(ids: Sequence[uuid.UUID]) -> Iterable[Sequence[uuid.UUID]]:
 Placement = tuple[uuid.UUID, int]  # a written turn's (episode id, depth)
 
 
-async def insert_turns(
-    session: AsyncSession | AsyncConnection,
-    batch: Sequence[NewTurn],
-    placed: Mapping[uuid.UUID, Placement] | None = None,
-    blob_store: BlobStore | None = None,
-    *,
-    autocommit: bool = False,
-) -> dict[uuid.UUID, Placement]:
-    """Insert `batch` (parents before children) with one executemany, after checking the
-    tree: parents exist and share the child's episode; depth = parent's + 1. `autocommit`:
-    `session` is an autocommit connection, so on asyncpg the rows go straight to the
-    driver's prepared statement (see `_insert_turn_rows`). `placed`
-    holds turns already known to be stored (turns never move), which saves reading them
-    back; returns the placement of every turn written. Turns' images go to `blob_store`
-    (default: the database) and are linked; a batch with images needs a transaction."""
+def _positions(batch: Sequence[NewTurn]) -> dict[uuid.UUID, int]:
+    """Each turn's index in `batch`; refuses a batch of anything but `TurnRecord`s or
+    with a turn id twice."""
     positions: dict[uuid.UUID, int] = {}
     for index, turn in enumerate(batch):
         if not isinstance(turn.record, TurnRecord):
@@ -79,10 +68,17 @@ async def insert_turns(
                 field=("turns", str(index), "id"),
             )
         positions[turn.id] = index
+    return positions
 
-    # Parents outside the batch: turns are never updated, so reading them needs no lock.
-    known = placed or {}
-    stored: dict[uuid.UUID, Placement] = {}
+
+def _outside(
+    batch: Sequence[NewTurn],
+    positions: Mapping[uuid.UUID, int],
+    known: Mapping[uuid.UUID, Placement],
+    stored: dict[uuid.UUID, Placement],
+) -> list[uuid.UUID]:
+    """Parents outside the batch: those in `known` go to `stored`, the others (to read)
+    are returned."""
     outside = []
     for t in batch:
         if t.parent_id is None or t.parent_id in positions:
@@ -91,16 +87,18 @@ async def insert_turns(
             stored[t.parent_id] = known[t.parent_id]
         else:
             outside.append(t.parent_id)
-    outside = turn_rows.ids_in_order(outside)
-    for chunk in chunks(outside):
-        rows = await session.execute(
-            select(turns.c.id, turns.c.episode_id, turns.c.depth).where(turns.c.id.in_(chunk))
-        )
-        stored.update({row.id: (row.episode_id, row.depth) for row in rows})
+    return turn_rows.ids_in_order(outside)
 
+
+def _depths(
+    batch: Sequence[NewTurn],
+    positions: Mapping[uuid.UUID, int],
+    stored: Mapping[uuid.UUID, Placement],
+) -> list[int]:
+    """Each turn's depth, after the tree checks: its parent exists (earlier in the batch
+    or stored) and is in the same episode."""
     depths: dict[uuid.UUID, int] = {}
-    now = datetime.now(UTC)
-    rows_out: list[dict[str, Any]] = []
+    out = []
     for index, turn in enumerate(batch):
         depth = 0
         if turn.parent_id is not None:
@@ -124,42 +122,110 @@ async def insert_turns(
                     field=where,
                 )
         depths[turn.id] = depth
-        # Distinct timestamps keep siblings written in one batch in their written order.
-        rows_out.append(turn_rows.turn_row(turn, depth, now + timedelta(microseconds=index)))
+        out.append(depth)
+    return out
 
+
+def _placements(batch: Sequence[NewTurn], depths: Sequence[int]) -> dict[uuid.UUID, Placement]:
+    return {turn.id: (turn.episode_id, depth) for turn, depth in zip(batch, depths, strict=True)}
+
+
+async def insert_turns(
+    session: AsyncSession | AsyncConnection,
+    batch: Sequence[NewTurn],
+    placed: Mapping[uuid.UUID, Placement] | None = None,
+    blob_store: BlobStore | None = None,
+) -> dict[uuid.UUID, Placement]:
+    """Insert `batch` (parents before children) with one executemany, after checking the
+    tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
+    holds turns already known to be stored (turns never move), which saves reading them
+    back; returns the placement of every turn written. Turns' images go to `blob_store`
+    (default: the database) and are linked; a batch with images needs a transaction.
+    `insert_turns_direct` is the same on an asyncpg connection, for batches without images."""
+    positions = _positions(batch)
+    # Parents outside the batch: turns are never updated, so reading them needs no lock.
+    stored: dict[uuid.UUID, Placement] = {}
+    for chunk in chunks(_outside(batch, positions, placed or {}, stored)):
+        rows = await session.execute(
+            select(turns.c.id, turns.c.episode_id, turns.c.depth).where(turns.c.id.in_(chunk))
+        )
+        stored.update({row.id: (row.episode_id, row.depth) for row in rows})
+    depths = _depths(batch, positions, stored)
+    now = datetime.now(UTC)
+    # Distinct timestamps keep siblings written in one batch in their written order.
+    rows_out = [
+        turn_rows.turn_row(turn, depth, now + timedelta(microseconds=index))
+        for index, (turn, depth) in enumerate(zip(batch, depths, strict=True))
+    ]
     links = []
     if turn_images.has_images(batch):
         links = await turn_images.store_blobs(session, blob_store or DatabaseBlobStore(), batch)
-    if autocommit and not links and isinstance(session, AsyncConnection):
-        await _insert_turn_rows(session, rows_out)
-    else:
-        await session.execute(sql_insert(turns), rows_out)
+    await session.execute(sql_insert(turns), rows_out)
     await turn_images.link(session, links)
-
     # That the episode is still open is checked by the database as each row goes in
     # (trigger `turns_need_open_episode`, migration 0002), atomically with the insert.
-    return {turn.id: (turn.episode_id, depths[turn.id]) for turn in batch}
+    return _placements(batch, depths)
 
 
-_TURN_ROW_COLUMNS = tuple(c.name for c in turns.columns)
+# The order of `insert_turns_direct`'s values.
+_TURN_ROW_COLUMNS = (
+    "id",
+    "episode_id",
+    "parent_id",
+    "depth",
+    "kind",
+    "token_ids",
+    "logprobs",
+    "weight_versions",
+    "loss_mask",
+    "text",
+    "reward",
+    "finish_reason",
+    "timings",
+    "created_at",
+)
 _INSERT_TURN_ROW = direct.insert_sql(turns, _TURN_ROW_COLUMNS)
+_PLACEMENTS_SQL = "SELECT id, episode_id, depth FROM turns WHERE id = ANY($1::uuid[])"
 
 
-async def _insert_turn_rows(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    """The turn rows on an autocommit connection: with asyncpg straight on the driver
-    (`agentflow.db.direct`), what the column types do on the way in done here (text and
-    JSON made storable, JSON serialized)."""
-    if conn.dialect.driver != "asyncpg":
-        await conn.execute(sql_insert(turns), rows)
-        return
+async def insert_turns_direct(
+    driver: Any, batch: Sequence[NewTurn], placed: Mapping[uuid.UUID, Placement] | None = None
+) -> dict[uuid.UUID, Placement]:
+    """`insert_turns` for a batch without images, straight on the asyncpg connection
+    `driver` outside a transaction (`agentflow.db.direct`): the batch is one statement,
+    atomic by itself, so it needs no BEGIN and COMMIT. What the column types do on the
+    way in is done here (text and JSON made storable, JSON serialized)."""
+    positions = _positions(batch)
+    stored: dict[uuid.UUID, Placement] = {}
+    outside = _outside(batch, positions, placed or {}, stored)
+    if outside:
+        rows = await driver.fetch(_PLACEMENTS_SQL, outside)
+        stored.update({row[0]: (row[1], row[2]) for row in rows})
+    depths = _depths(batch, positions, stored)
+    now = datetime.now(UTC)
     records = []
-    for row in rows:
-        text = row["text"]
-        row["text"] = None if text is None else storable(text)
-        row["timings"] = orjson.dumps(storable(row["timings"])).decode()
-        records.append(tuple(row[name] for name in _TURN_ROW_COLUMNS))
-    driver = (await conn.get_raw_connection()).driver_connection
+    for index, (turn, depth) in enumerate(zip(batch, depths, strict=True)):
+        record = turn.record
+        records.append(
+            (
+                turn.id,
+                turn.episode_id,
+                turn.parent_id,
+                depth,
+                record.kind,
+                pack_ints(record.token_ids),
+                None if record.logprobs is None else pack_floats(record.logprobs),
+                None if record.weight_versions is None else pack_ints(record.weight_versions),
+                pack_mask(record.loss_mask or ()),
+                None if record.text is None else storable(record.text),
+                record.reward,
+                record.finish_reason,
+                orjson.dumps(storable(record.timings)).decode(),
+                now + timedelta(microseconds=index),
+            )
+        )
     await direct.executemany(driver, _INSERT_TURN_ROW, records)
+    return _placements(batch, depths)
 
 
 async def explain_insert_failure(

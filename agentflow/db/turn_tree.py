@@ -32,9 +32,9 @@ from typing import Any, cast
 
 from sqlalchemy import Table, exists, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from agentflow.db import blobs, episode_sql, turn_images, turn_rows, turn_sql
+from agentflow.db import blobs, direct, episode_sql, turn_images, turn_rows, turn_sql
 from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
 from agentflow.db.group_commit import GroupCommit
 from agentflow.db.models import Environment, Run
@@ -106,7 +106,11 @@ class TurnTree:
         # up with "database is locked" after the busy timeout. Queue this process's own
         # writers here instead.
         self._serialize_writes = bind is not None and bind.dialect.name == "sqlite"
-        self._bind: AsyncEngine | None = bind
+        # PostgreSQL through asyncpg: the group commits' statements go straight to the
+        # driver (`agentflow.db.direct`).
+        self._direct: AsyncEngine | None = (
+            bind if bind is not None and bind.dialect.driver == "asyncpg" else None
+        )
         self._write_lock = asyncio.Lock()
         # Group commits: concurrent single writes share one batch (agentflow.db.group_commit).
         self._turn_writes: GroupCommit[NewTurn, None] = GroupCommit(self._write_turns)
@@ -141,21 +145,6 @@ class TurnTree:
             if self._serialize_writes:
                 await stack.enter_async_context(self._write_lock)
             yield await stack.enter_async_context(self._sessions.begin())
-
-    @contextlib.asynccontextmanager
-    async def _turn_writer(
-        self, *, transaction: bool = False
-    ) -> AsyncIterator[AsyncSession | AsyncConnection]:
-        """Where a batch of turns is written. On PostgreSQL: an autocommit connection, as
-        the batch is one INSERT (atomic by itself, the episode checked by a trigger), which
-        saves the round trips of BEGIN and COMMIT; a batch with images (blobs, turns,
-        links: several statements) gets a transaction. SQLite has no round trips to save."""
-        if transaction or self._serialize_writes or self._bind is None:
-            async with self._write() as session:
-                yield session
-            return
-        async with self._bind.connect() as conn:
-            yield await conn.execution_options(isolation_level="AUTOCOMMIT")
 
     # ---- episodes -------------------------------------------------------------------
 
@@ -279,14 +268,16 @@ class TurnTree:
         if not batch:
             return []
         try:
-            async with self._turn_writer(transaction=turn_images.has_images(batch)) as writer:
-                written = await turn_sql.insert_turns(
-                    writer,
-                    batch,
-                    self._placed,
-                    self.blob_store,
-                    autocommit=isinstance(writer, AsyncConnection),
-                )
+            if self._direct is not None and not turn_images.has_images(batch):
+                # One INSERT, atomic by itself (the episode checked by a trigger): no
+                # transaction, so no round trips for BEGIN and COMMIT.
+                async with direct.pooled_driver(self._direct) as driver:
+                    written = await turn_sql.insert_turns_direct(driver, batch, self._placed)
+            else:  # SQLite, or images: blobs, turns and links in one transaction
+                async with self._write() as session:
+                    written = await turn_sql.insert_turns(
+                        session, batch, self._placed, self.blob_store
+                    )
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, batch, exc) from exc
         self._remember(written)
@@ -486,16 +477,13 @@ class TurnTree:
         """Where a group commit's episode statements run (`agentflow.db.episode_sql`):
         straight on asyncpg for PostgreSQL (in one transaction of its own when asked),
         else SQLAlchemy Core (queued behind this process's writers on SQLite)."""
-        if self._bind is not None and self._bind.dialect.driver == "asyncpg":
-            async with self._bind.connect() as conn:
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        if self._direct is not None:
+            async with direct.pooled_driver(self._direct) as driver:
                 if transaction:
-                    async with episode_sql.direct_transaction(conn) as statements:
-                        yield statements
+                    async with driver.transaction():
+                        yield episode_sql.AsyncpgStatements(driver)
                 else:
-                    yield episode_sql.AsyncpgStatements(
-                        (await conn.get_raw_connection()).driver_connection
-                    )
+                    yield episode_sql.AsyncpgStatements(driver)
             return
         async with self._write() as session:
             yield episode_sql.AlchemyStatements(await session.connection())
