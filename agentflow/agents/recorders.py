@@ -20,7 +20,12 @@ from agentflow.types import StoredTurn, TurnRecord
 class TurnTreeRecorder:
     """Appends an episode's turns under `parent` (None: a new root). At most `window`
     writes may be outstanding; a failed write fails the episode at the next record or at
-    the end."""
+    the end.
+
+    A policy turn is held back until the env's answer to it is recorded, or `hold_s` has
+    passed, whichever comes first, so that a fast env's turn and the reply before it go
+    to the database as one write instead of two; a slow env's wait does not keep the
+    reply from being stored."""
 
     def __init__(
         self,
@@ -29,12 +34,16 @@ class TurnTreeRecorder:
         *,
         parent: uuid.UUID | None = None,
         window: int = 4,
+        hold_s: float = 0.05,
     ) -> None:
         self.turns = turns
         self.episode_id = episode_id
-        self.last: uuid.UUID | None = parent  # the newest turn recorded
+        self.last: uuid.UUID | None = parent  # the newest turn submitted
         self.window = window
+        self.hold_s = hold_s
         self.pending: list[asyncio.Future[None]] = []
+        self._held: TurnRecord | None = None
+        self._held_until: asyncio.TimerHandle | None = None
 
     async def record(self, record: TurnRecord) -> None:
         if len(self.pending) >= self.window:
@@ -42,13 +51,32 @@ class TurnTreeRecorder:
             await asyncio.shield(self.pending[0])
         while self.pending and self.pending[0].done():  # writes commit in order
             self.pending.pop(0).result()  # a failed write raises here, in the loop
+        self._submit_held()
+        if record.kind == "policy" and self.hold_s > 0:
+            self._held = record
+            self._held_until = asyncio.get_running_loop().call_later(
+                self.hold_s, self._submit_held
+            )
+        else:
+            self._submit(record)
+
+    def _submit(self, record: TurnRecord) -> None:
         turn_id, committed = self.turns.submit_turn(self.episode_id, self.last, record)
         self.pending.append(committed)
         self.last = turn_id
 
+    def _submit_held(self) -> None:
+        if self._held_until is not None:
+            self._held_until.cancel()
+            self._held_until = None
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._submit(held)
+
     async def settle(self) -> None:
         """Wait until every queued write is committed (or failed); a cancel that arrives
         meanwhile is raised once they are, never instead."""
+        self._submit_held()
         pending, self.pending = self.pending, []
         if not pending:
             return
