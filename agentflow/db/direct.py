@@ -36,33 +36,101 @@ async def executemany(driver: Any, sql: str, records: Sequence[tuple[Any, ...]])
         raise IntegrityError(sql, None, exc) from exc
 
 
-@contextlib.asynccontextmanager
-async def pooled_driver(engine: AsyncEngine) -> AsyncIterator[Any]:
-    """An asyncpg connection from `engine`'s pool, checked out from the pool itself: an
-    `AsyncConnection` and its switch to autocommit cost more CPU (about 140-210 µs per
-    checkout) than the statement a group commit runs on it (about 55 µs here). Outside
-    `driver.transaction()` asyncpg commits each statement by itself.
-
-    A connection that was lost, or whose user was cancelled (perhaps mid-statement), is
-    closed rather than pooled again, so the next checkout gets a sound one; a statement
-    the server refused leaves it sound."""
+def _lost(exc: BaseException) -> bool:
+    """Whether a connection whose use ended in `exc` may be unsound: lost, or its user
+    cancelled (perhaps mid-statement). A statement the server refused, or the caller's
+    own check, leaves it sound."""
     import asyncpg  # only with the asyncpg driver
 
-    fairy = await greenlet_spawn(engine.sync_engine.pool.connect)
-    driver: Any = fairy.driver_connection
-    try:
-        yield driver
-    except BaseException as exc:
-        lost = (
-            asyncpg.PostgresConnectionError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            OSError,
-            TimeoutError,
-        )
-        if not isinstance(exc, Exception) or isinstance(exc, lost) or driver.is_closed():
-            await greenlet_spawn(fairy.invalidate, exc)
-        else:  # the server refused a statement, or the caller's own check failed: sound
-            await greenlet_spawn(fairy.close)
-        raise
-    await greenlet_spawn(fairy.close)
+    lost = (
+        asyncpg.PostgresConnectionError,
+        asyncpg.InterfaceError,
+        asyncpg.InternalClientError,
+        OSError,
+        TimeoutError,
+    )
+    return not isinstance(exc, Exception) or isinstance(exc, lost)
+
+
+_STALE_CHECKOUTS = 64  # closed connections skipped at most (a pool holds up to 40)
+
+
+class Checkout:
+    """An asyncpg connection taken from `engine`'s pool itself: an `AsyncConnection` and
+    its switch to autocommit cost more CPU (about 140-210 µs per checkout) than the
+    statement a group commit runs on it (about 55 µs here). Outside
+    `driver.transaction()` asyncpg commits each statement by itself."""
+
+    def __init__(self, engine: AsyncEngine, fairy: Any) -> None:
+        self._engine = engine
+        self._pool = engine.sync_engine.pool
+        self._fairy = fairy
+        self.driver: Any = fairy.driver_connection
+
+    @classmethod
+    async def take(cls, engine: AsyncEngine) -> Checkout:
+        """A connection of the pool; one the server closed while it sat there (a restart,
+        an idle timeout) is closed and the next taken, so it costs no write."""
+        pool = engine.sync_engine.pool
+        for _ in range(_STALE_CHECKOUTS):
+            fairy = await greenlet_spawn(pool.connect)
+            driver: Any = fairy.driver_connection
+            if not driver.is_closed():
+                break
+            await greenlet_spawn(fairy.invalidate)
+        return cls(engine, fairy)
+
+    async def release(self, exc: BaseException | None = None) -> None:
+        """Back to the pool; closed instead when `exc` ended its use and may have left it
+        unsound (see `_lost`), so the next checkout gets a sound one, or when the engine
+        was disposed meanwhile (its old pool would keep it open, unused)."""
+        unsound = exc is not None and (_lost(exc) or self.driver.is_closed())
+        if unsound or self._engine.sync_engine.pool is not self._pool:
+            await greenlet_spawn(self._fairy.invalidate, exc)
+        else:
+            await greenlet_spawn(self._fairy.close)
+
+
+class HeldConnection:
+    """A `Checkout` kept across a group commit's batches, which run one at a time: while
+    writes keep coming, each batch saves a checkout and a checkin. The group commit
+    gives it back (`release`) when it has been idle a while; a batch that ended in a way
+    that may have left it unsound closes it at once, and the next batch takes another."""
+
+    def __init__(self, engine: AsyncEngine, *, keep: bool = True) -> None:
+        self.engine = engine
+        self.keep = keep
+        self._checkout: Checkout | None = None
+
+    @classmethod
+    def one_off(cls, like: HeldConnection) -> HeldConnection:
+        """The same engine's connections, each given back after its block (for writes
+        outside a group commit, where nothing would call `release`)."""
+        return cls(like.engine, keep=False)
+
+    @property
+    def held(self) -> bool:
+        return self._checkout is not None
+
+    @contextlib.asynccontextmanager
+    async def driver(self) -> AsyncIterator[Any]:
+        checkout = self._checkout
+        if checkout is None or checkout.driver.is_closed():
+            if checkout is not None:  # the server closed it between batches
+                self._checkout = None
+                await checkout.release(ConnectionError("closed by the server"))
+            checkout = self._checkout = await Checkout.take(self.engine)
+        try:
+            yield checkout.driver
+        except BaseException as exc:
+            if not self.keep or _lost(exc) or checkout.driver.is_closed():
+                self._checkout = None
+                await checkout.release(exc)
+            raise
+        if not self.keep:
+            await self.release()
+
+    async def release(self) -> None:
+        checkout, self._checkout = self._checkout, None
+        if checkout is not None:
+            await checkout.release()

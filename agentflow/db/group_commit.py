@@ -6,7 +6,10 @@ the statement's overhead each, which caps a process at a few hundred writes per 
 Here every call queues its item and awaits its own future; one drain task writes whatever
 has queued up as a single batch, then the next batch, and exits when the queue is empty.
 Nothing waits on a timer: a lone call is written at once, and under load the batch grows
-by itself while the previous one is being written.
+by itself while the previous one is being written. With `linger_s`, the drain task stays
+that long after its last batch for more calls (written at once when they come), so that
+what it holds between batches (a database connection, `on_idle` gives it back) is not
+given back and taken again between every two writes of a steady trickle.
 
 A batch write returns one result per item, an exception among them failing that item
 alone (an episode already finished, say). A batch write that raises is written again
@@ -63,11 +66,21 @@ class GroupCommit(Generic[Item, Result]):
     `write_batch(items)` returns one entry per item, in order: its result, or the
     exception that item alone fails with."""
 
-    def __init__(self, write_batch: WriteBatch[Item, Result], *, max_batch: int = 500) -> None:
+    def __init__(
+        self,
+        write_batch: WriteBatch[Item, Result],
+        *,
+        max_batch: int = 500,
+        linger_s: float = 0.0,
+        on_idle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._write_batch = write_batch
         self._max_batch = max_batch
+        self._linger_s = linger_s
+        self._on_idle = on_idle
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
-        self._drain_task: asyncio.Task[None] | None = None
+        self._draining = False  # a drain task takes what is queued (or lingers for it)
+        self._more: asyncio.Future[bool] | None = None  # set while the drain lingers
         self.waits = WaitHistogram()  # submit to commit, per call
 
     @property
@@ -83,8 +96,11 @@ class GroupCommit(Generic[Item, Result]):
         submitted = loop.time()
         future.add_done_callback(lambda _: self.waits.add(loop.time() - submitted))
         self._pending.append((item, future))
-        if self._drain_task is None or self._drain_task.done():
-            self._drain_task = asyncio.create_task(self._drain())
+        if not self._draining:
+            self._draining = True
+            asyncio.create_task(self._drain())
+        elif self._more is not None and not self._more.done():
+            self._more.set_result(True)
         return future
 
     async def add(self, item: Item) -> Result:
@@ -94,15 +110,36 @@ class GroupCommit(Generic[Item, Result]):
     async def _drain(self) -> None:
         batch: list[tuple[Item, asyncio.Future[Result]]] = []
         try:
-            while self._pending:
-                batch = self._pending[: self._max_batch]
-                del self._pending[: self._max_batch]
-                await self._write(batch)
+            while True:
+                while self._pending:
+                    batch = self._pending[: self._max_batch]
+                    del self._pending[: self._max_batch]
+                    await self._write(batch)
+                batch = []
+                more = self._linger_s > 0 and await self._more_within(self._linger_s)
+                if not more and not self._pending:
+                    break
+            self._draining = False  # from here a submit starts a new drain
         except BaseException:  # cancelled (the loop is closing): no caller may wait forever
+            self._draining = False
             for _, future in batch + self._pending:
                 future.cancel()
             self._pending.clear()
             raise
+        finally:
+            if self._on_idle is not None:
+                await self._on_idle()
+
+    async def _more_within(self, seconds: float) -> bool:
+        """Whether an item is submitted within `seconds`."""
+        loop = asyncio.get_running_loop()
+        self._more = more = loop.create_future()
+        timer = loop.call_later(seconds, _settle, more, False)
+        try:
+            return await more
+        finally:
+            timer.cancel()
+            self._more = None
 
     async def _write(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
         try:

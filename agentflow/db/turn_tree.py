@@ -71,6 +71,9 @@ def _check_text(name: str, value: str | None, max_length: int | None) -> None:
 
 
 _PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
+# How long a group commit keeps its connection after its last write: longer than the
+# gaps between an episode's writes, short next to anything a person waits for.
+_LINGER_S = 0.05
 
 
 class _WriteAlone(Exception):
@@ -106,22 +109,37 @@ class TurnTree:
         # up with "database is locked" after the busy timeout. Queue this process's own
         # writers here instead.
         self._serialize_writes = bind is not None and bind.dialect.name == "sqlite"
-        # PostgreSQL through asyncpg: the group commits' statements go straight to the
-        # driver (`agentflow.db.direct`).
-        self._direct: AsyncEngine | None = (
-            bind if bind is not None and bind.dialect.driver == "asyncpg" else None
-        )
         self._write_lock = asyncio.Lock()
         # Group commits: concurrent single writes share one batch (agentflow.db.group_commit).
-        self._turn_writes: GroupCommit[NewTurn, None] = GroupCommit(self._write_turns)
-        self._episode_creates: GroupCommit[dict[str, Any], None] = GroupCommit(
-            self._create_episodes
+        # On PostgreSQL through asyncpg their statements go straight to the driver, each on
+        # a connection it keeps while its writes keep coming (`agentflow.db.direct`).
+        direct_to = bind if bind is not None and bind.dialect.driver == "asyncpg" else None
+        self._turn_conn = self._held(direct_to)
+        self._create_conn = self._held(direct_to)
+        self._end_conn = self._held(direct_to)
+        self._turn_writes: GroupCommit[NewTurn, None] = self._group_commit(
+            self._write_turns, self._turn_conn
         )
-        self._episode_ends: GroupCommit[_EpisodeEnd, list[uuid.UUID]] = GroupCommit(
-            self._end_episodes
+        self._episode_creates: GroupCommit[dict[str, Any], None] = self._group_commit(
+            self._create_episodes, self._create_conn
+        )
+        self._episode_ends: GroupCommit[_EpisodeEnd, list[uuid.UUID]] = self._group_commit(
+            self._end_episodes, self._end_conn
         )
         self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
         self._added: asyncio.Event | None = None  # replaced each time trajectories appear
+
+    @staticmethod
+    def _held(engine: AsyncEngine | None) -> direct.HeldConnection | None:
+        return None if engine is None else direct.HeldConnection(engine)
+
+    @staticmethod
+    def _group_commit(
+        write_batch: Any, held: direct.HeldConnection | None
+    ) -> GroupCommit[Any, Any]:
+        if held is None:
+            return GroupCommit(write_batch)
+        return GroupCommit(write_batch, linger_s=_LINGER_S, on_idle=held.release)
 
     def write_transaction(self) -> contextlib.AbstractAsyncContextManager[AsyncSession]:
         """A write transaction, queued like this repository's own (for the trajectory stream)."""
@@ -187,7 +205,7 @@ class TurnTree:
         """One INSERT for a group commit's new episodes; the foreign keys check the runs
         and envs (a lone episode's failure explained; a batch's is retried one by one)."""
         try:
-            async with self._episode_statements() as statements:
+            async with self._episode_statements(self._create_conn) as statements:
                 await statements.insert_episodes(rows)
         except IntegrityError as exc:
             if len(rows) > 1:
@@ -240,7 +258,7 @@ class TurnTree:
         return turn.id, self._turn_writes.submit(turn)
 
     async def _write_turns(self, batch: Sequence[NewTurn]) -> list[None]:
-        await self.add_turns(batch)
+        await self._add_turns(batch, self._turn_conn)
         return [None] * len(batch)
 
     @property
@@ -265,13 +283,22 @@ class TurnTree:
     async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
         """Write `batch` (any number of episodes and branches, parents before children)
         in one transaction; their ids in order."""
+        one_off = (
+            None if self._turn_conn is None else direct.HeldConnection.one_off(self._turn_conn)
+        )
+        return await self._add_turns(batch, one_off)
+
+    async def _add_turns(
+        self, batch: Sequence[NewTurn], direct_conn: direct.HeldConnection | None
+    ) -> list[uuid.UUID]:
+        """`add_turns`, straight on asyncpg on `direct_conn` where there is one."""
         if not batch:
             return []
         try:
-            if self._direct is not None and not turn_images.has_images(batch):
+            if direct_conn is not None and not turn_images.has_images(batch):
                 # One INSERT, atomic by itself (the episode checked by a trigger): no
                 # transaction, so no round trips for BEGIN and COMMIT.
-                async with direct.pooled_driver(self._direct) as driver:
+                async with direct_conn.driver() as driver:
                     written = await turn_sql.insert_turns_direct(driver, batch, self._placed)
             else:  # SQLite, or images: blobs, turns and links in one transaction
                 async with self._write() as session:
@@ -472,13 +499,14 @@ class TurnTree:
 
     @contextlib.asynccontextmanager
     async def _episode_statements(
-        self, *, transaction: bool = False
+        self, held: direct.HeldConnection | None, *, transaction: bool = False
     ) -> AsyncIterator[episode_sql.EpisodeStatements]:
         """Where a group commit's episode statements run (`agentflow.db.episode_sql`):
-        straight on asyncpg for PostgreSQL (in one transaction of its own when asked),
-        else SQLAlchemy Core (queued behind this process's writers on SQLite)."""
-        if self._direct is not None:
-            async with direct.pooled_driver(self._direct) as driver:
+        straight on asyncpg for PostgreSQL, on the group commit's `held` connection (in
+        one transaction of its own when asked), else SQLAlchemy Core (queued behind this
+        process's writers on SQLite)."""
+        if held is not None:
+            async with held.driver() as driver:
                 if transaction:
                     async with driver.transaction():
                         yield episode_sql.AsyncpgStatements(driver)
@@ -502,7 +530,7 @@ class TurnTree:
                     alchemy = episode_sql.AlchemyStatements(await session.connection())
                     results, made = await self._write_ends(alchemy, ends)
             else:
-                async with self._episode_statements(transaction=True) as statements:
+                async with self._episode_statements(self._end_conn, transaction=True) as statements:
                     results, made = await self._write_ends(statements, ends)
         except IntegrityError as exc:
             if len(ends) > 1:
