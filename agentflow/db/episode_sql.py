@@ -122,9 +122,9 @@ class AlchemyStatements:
 
 
 _EPISODE_COLUMNS = ("id", "run_id", "environment_id", "env_ref", "task", "group_id", "status")
-_EPISODE_INSERT = direct.insert_sql(_episodes, (*_EPISODE_COLUMNS, "created_at"))
+_EPISODE_INSERT = direct.Insert(_episodes, (*_EPISODE_COLUMNS, "created_at"))
 _TRAJECTORY_COLUMNS = tuple(c.name for c in _trajectories.columns)
-_TRAJECTORY_INSERT = direct.insert_sql(_trajectories, _TRAJECTORY_COLUMNS)
+_TRAJECTORY_INSERT = direct.Insert(_trajectories, _TRAJECTORY_COLUMNS)
 _LOCK_SQL = (
     "SELECT id, run_id, status FROM episodes WHERE id = ANY($1::uuid[]) ORDER BY id FOR UPDATE"
 )
@@ -156,7 +156,7 @@ class AsyncpgStatements:
             )
             for row in rows
         ]
-        await self._many(_EPISODE_INSERT, records)
+        await _EPISODE_INSERT.run(self.driver, records)
 
     async def lock_episodes(self, ids: Sequence[uuid.UUID]) -> list[LockedEpisode]:
         return [LockedEpisode(*row) for row in await self.driver.fetch(_LOCK_SQL, list(ids))]
@@ -175,13 +175,10 @@ class AsyncpgStatements:
             )
             for end in ends
         ]
-        await self._many(_END_SQL, records)
+        await direct.executemany(self.driver, _END_SQL, records)
 
     async def insert_trajectories(self, rows: Sequence[dict[str, Any]]) -> None:
-        await self._many(
-            _TRAJECTORY_INSERT,
+        await _TRAJECTORY_INSERT.run(
+            self.driver,
             [tuple(row.get(name) for name in _TRAJECTORY_COLUMNS) for row in rows],
         )
-
-    async def _many(self, sql: str, records: list[tuple[Any, ...]]) -> None:
-        await direct.executemany(self.driver, sql, records)

@@ -184,7 +184,7 @@ _TURN_ROW_COLUMNS = (
     "timings",
     "created_at",
 )
-_INSERT_TURN_ROW = direct.insert_sql(turns, _TURN_ROW_COLUMNS)
+_INSERT_TURN_ROWS = direct.Insert(turns, _TURN_ROW_COLUMNS)
 _PLACEMENTS_SQL = "SELECT id, episode_id, depth FROM turns WHERE id = ANY($1::uuid[])"
 
 
@@ -224,7 +224,7 @@ async def insert_turns_direct(
                 now + timedelta(microseconds=index),
             )
         )
-    await direct.executemany(driver, _INSERT_TURN_ROW, records)
+    await _INSERT_TURN_ROWS.run(driver, records)
     return _placements(batch, depths)
 
 

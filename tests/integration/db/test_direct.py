@@ -1,13 +1,20 @@
-"""The group commits' own connections (`agentflow.db.direct.HeldConnection`) on a real
-PostgreSQL: one the server closed is replaced, and the writes go on."""
+"""`agentflow.db.direct` on a real PostgreSQL: the group commits' own connections
+(`HeldConnection`: one the server closed is replaced, and the writes go on) and
+their inserts (`Insert`: every row or none)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from typing import cast
 
 import asyncpg
 import pytest
+from sqlalchemy import Table
+from sqlalchemy.exc import IntegrityError
 
+from agentflow.db import direct
+from agentflow.db.models import Episode
 from agentflow.db.session import create_engine, session_factory
 from agentflow.db.turn_tree import TurnTree
 from agentflow.types import TurnRecord
@@ -48,3 +55,31 @@ async def test_a_connection_the_server_closed_is_replaced(pg_database: str, idle
         assert (await tree.episode(episode)).status == "completed"
     finally:
         await engine.dispose()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+async def test_an_insert_writes_every_row_or_none(pg_database: str, rows: int) -> None:
+    """Up to eight rows go as one statement, more as executemany: every row lands with
+    its values either way, and a batch with a refused row writes nothing."""
+    episodes = cast(Table, Episode.__table__)
+    insert = direct.Insert(episodes, ("id", "env_ref", "task", "status", "created_at"))
+    driver = await asyncpg.connect(pg_database.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        now = await driver.fetchval("SELECT now()")
+        ids = [uuid.uuid4() for _ in range(rows)]
+        records = [(i, f"test/insert-{n}", "{}", "running", now) for n, i in enumerate(ids)]
+        await insert.run(driver, records)
+        stored = await driver.fetch(
+            "SELECT id, env_ref FROM episodes WHERE id = ANY($1::uuid[])", ids
+        )
+        assert {(r["id"], r["env_ref"]) for r in stored} == {(i, e) for i, e, *_ in records}
+
+        again = [(uuid.uuid4(), "test/new", "{}", "running", now) for _ in range(rows)]
+        with pytest.raises(IntegrityError):
+            await insert.run(driver, [*again, records[0]])  # the last one's id is taken
+        found = await driver.fetchval(
+            "SELECT count(*) FROM episodes WHERE id = ANY($1::uuid[])", [r[0] for r in again]
+        )
+        assert found == 0
+    finally:
+        await driver.close()
