@@ -197,11 +197,11 @@ class _HeldTurns(TurnTree):
         self.queued.append(committed)
         return turn_id, committed
 
-    async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
+    async def _write_turns(self, batch: Sequence[NewTurn]) -> list[None]:
         self.env_turns += sum(t.record.kind == "env" for t in batch)
         if self.env_turns >= self.env_steps:
             await self.writes_open.wait()
-        return await super().add_turns(batch)
+        return await super()._write_turns(batch)
 
 
 @pytest.mark.parametrize("stop_at", ["closing", "settling"])
