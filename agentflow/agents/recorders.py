@@ -54,9 +54,7 @@ class TurnTreeRecorder:
         self._submit_held()
         if record.kind == "policy" and self.hold_s > 0:
             self._held = record
-            self._held_until = asyncio.get_running_loop().call_later(
-                self.hold_s, self._submit_held
-            )
+            self._held_until = asyncio.get_running_loop().call_later(self.hold_s, self._submit_held)
         else:
             self._submit(record)
 

@@ -80,6 +80,7 @@ class GroupCommit(Generic[Item, Result]):
         self._on_idle = on_idle
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
         self._draining = False  # a drain task takes what is queued (or lingers for it)
+        self._drain_task: asyncio.Task[None] | None = None  # the loop keeps tasks weakly
         self._more: asyncio.Future[bool] | None = None  # set while the drain lingers
         self.waits = WaitHistogram()  # submit to commit, per call
 
@@ -98,7 +99,7 @@ class GroupCommit(Generic[Item, Result]):
         self._pending.append((item, future))
         if not self._draining:
             self._draining = True
-            asyncio.create_task(self._drain())
+            self._drain_task = asyncio.create_task(self._drain())
         elif self._more is not None and not self._more.done():
             self._more.set_result(True)
         return future

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Sequence
 
@@ -123,3 +124,51 @@ def test_quantiles_are_bucket_edges_and_none_without_calls() -> None:
     assert WaitHistogram.quantile(counts, 0.5) == 0.0005
     assert WaitHistogram.quantile(counts, 0.75) == 0.004
     assert WaitHistogram.quantile(counts, 1.0) == float("inf")
+
+
+async def test_a_lingering_drain_writes_what_comes_and_then_goes_idle() -> None:
+    """With `linger_s`, one drain writes a trickle of lone calls (each at once, none
+    waiting for the linger) and calls `on_idle` once, when no call came for that long;
+    the next call starts a new drain."""
+    store = FakeStore(delay=0.0)
+    idle: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def on_idle() -> None:
+        idle.append(loop.time())
+
+    commit: GroupCommit[NewTurn, None] = GroupCommit(store.write, linger_s=0.2, on_idle=on_idle)
+    for _ in range(3):
+        started = loop.time()
+        await commit.add(turn())
+        assert loop.time() - started < 0.1  # written at once, not after the linger
+        await asyncio.sleep(0.02)
+    assert len(store.batches) == 3 and idle == []  # one drain, still holding on
+    await asyncio.sleep(0.3)
+    assert len(idle) == 1
+    await commit.add(turn())
+    await asyncio.sleep(0.3)
+    assert len(store.written) == 4 and len(idle) == 2
+
+
+async def test_a_drain_cancelled_while_it_lingers_still_goes_idle() -> None:
+    store = FakeStore(delay=0.0)
+    idle: list[bool] = []
+
+    async def on_idle() -> None:
+        idle.append(True)
+
+    commit: GroupCommit[NewTurn, None] = GroupCommit(store.write, linger_s=10, on_idle=on_idle)
+    await commit.add(turn())
+    drain = commit._drain_task
+    assert drain is not None and not drain.done()
+    drain.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await drain
+    assert idle == [True]
+    await commit.add(turn())  # a new drain takes the next call
+    assert len(store.written) == 2
+    assert commit._drain_task is not None
+    commit._drain_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await commit._drain_task
