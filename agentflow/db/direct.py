@@ -134,18 +134,14 @@ class HeldConnection:
     """A `Checkout` kept across a group commit's batches, which run one at a time: while
     writes keep coming, each batch saves a checkout and a checkin. The group commit
     gives it back (`release`) when it has been idle a while; a batch that ended in a way
-    that may have left it unsound closes it at once, and the next batch takes another."""
+    that may have left it unsound closes it at once, and the next batch takes another.
+    With `keep=False` each block's connection is given back after it (for writes outside
+    a group commit, where nothing would call `release`)."""
 
     def __init__(self, engine: AsyncEngine, *, keep: bool = True) -> None:
         self.engine = engine
         self.keep = keep
         self._checkout: Checkout | None = None
-
-    @classmethod
-    def one_off(cls, like: HeldConnection) -> HeldConnection:
-        """The same engine's connections, each given back after its block (for writes
-        outside a group commit, where nothing would call `release`)."""
-        return cls(like.engine, keep=False)
 
     @contextlib.asynccontextmanager
     async def driver(self) -> AsyncIterator[Any]:

@@ -47,26 +47,49 @@ def aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def turn_row(turn: NewTurn, depth: int, created_at: datetime) -> dict[str, Any]:
+# A turn row's columns, in the order of `turn_values`.
+TURN_ROW_COLUMNS = (
+    "id",
+    "episode_id",
+    "parent_id",
+    "depth",
+    "kind",
+    "token_ids",
+    "logprobs",
+    "weight_versions",
+    "loss_mask",
+    "text",
+    "reward",
+    "finish_reason",
+    "timings",
+    "created_at",
+)
+
+
+def turn_values(turn: NewTurn, depth: int, created_at: datetime) -> tuple[Any, ...]:
+    """The row of `turn` as values in `TURN_ROW_COLUMNS` order (text and timings as the
+    record holds them)."""
     record = turn.record
-    return {
-        "id": turn.id,
-        "episode_id": turn.episode_id,
-        "parent_id": turn.parent_id,
-        "depth": depth,
-        "kind": record.kind,
-        "token_ids": pack_ints(record.token_ids),
-        "logprobs": None if record.logprobs is None else pack_floats(record.logprobs),
-        "weight_versions": (
-            None if record.weight_versions is None else pack_ints(record.weight_versions)
-        ),
-        "loss_mask": pack_mask(record.loss_mask or ()),
-        "text": record.text,
-        "reward": record.reward,
-        "finish_reason": record.finish_reason,
-        "timings": dict(record.timings),
-        "created_at": created_at,
-    }
+    return (
+        turn.id,
+        turn.episode_id,
+        turn.parent_id,
+        depth,
+        record.kind,
+        pack_ints(record.token_ids),
+        None if record.logprobs is None else pack_floats(record.logprobs),
+        None if record.weight_versions is None else pack_ints(record.weight_versions),
+        pack_mask(record.loss_mask or ()),
+        record.text,
+        record.reward,
+        record.finish_reason,
+        dict(record.timings),
+        created_at,
+    )
+
+
+def turn_row(turn: NewTurn, depth: int, created_at: datetime) -> dict[str, Any]:
+    return dict(zip(TURN_ROW_COLUMNS, turn_values(turn, depth, created_at), strict=True))
 
 
 def stored_turn(row: Any, images: Mapping[uuid.UUID, tuple[str, ...]] | None = None) -> StoredTurn:

@@ -20,7 +20,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionm
 from agentflow.db import direct, turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
-from agentflow.db.packing import pack_floats, pack_ints, pack_mask
 from agentflow.db.storable import storable
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import NewTurn, TurnRecord
@@ -167,24 +166,9 @@ async def insert_turns(
     return _placements(batch, depths)
 
 
-# The order of `insert_turns_direct`'s values.
-_TURN_ROW_COLUMNS = (
-    "id",
-    "episode_id",
-    "parent_id",
-    "depth",
-    "kind",
-    "token_ids",
-    "logprobs",
-    "weight_versions",
-    "loss_mask",
-    "text",
-    "reward",
-    "finish_reason",
-    "timings",
-    "created_at",
-)
-_INSERT_TURN_ROWS = direct.Insert(turns, _TURN_ROW_COLUMNS)
+_INSERT_TURN_ROWS = direct.Insert(turns, turn_rows.TURN_ROW_COLUMNS)
+_TEXT = turn_rows.TURN_ROW_COLUMNS.index("text")
+_TIMINGS = turn_rows.TURN_ROW_COLUMNS.index("timings")
 _PLACEMENTS_SQL = "SELECT id, episode_id, depth FROM turns WHERE id = ANY($1::uuid[])"
 
 
@@ -205,23 +189,15 @@ async def insert_turns_direct(
     now = datetime.now(UTC)
     records = []
     for index, (turn, depth) in enumerate(zip(batch, depths, strict=True)):
-        record = turn.record
+        values = turn_rows.turn_values(turn, depth, now + timedelta(microseconds=index))
+        text, timings = values[_TEXT], values[_TIMINGS]
         records.append(
             (
-                turn.id,
-                turn.episode_id,
-                turn.parent_id,
-                depth,
-                record.kind,
-                pack_ints(record.token_ids),
-                None if record.logprobs is None else pack_floats(record.logprobs),
-                None if record.weight_versions is None else pack_ints(record.weight_versions),
-                pack_mask(record.loss_mask or ()),
-                None if record.text is None else storable(record.text),
-                record.reward,
-                record.finish_reason,
-                orjson.dumps(storable(record.timings)).decode(),
-                now + timedelta(microseconds=index),
+                *values[:_TEXT],
+                None if text is None else storable(text),
+                *values[_TEXT + 1 : _TIMINGS],
+                orjson.dumps(storable(timings)).decode(),
+                *values[_TIMINGS + 1 :],
             )
         )
     await _INSERT_TURN_ROWS.run(driver, records)

@@ -283,9 +283,9 @@ class TurnTree:
     async def add_turns(self, batch: Sequence[NewTurn]) -> list[uuid.UUID]:
         """Write `batch` (any number of episodes and branches, parents before children)
         in one transaction; their ids in order."""
-        one_off = (
-            None if self._turn_conn is None else direct.HeldConnection.one_off(self._turn_conn)
-        )
+        one_off = None
+        if self._turn_conn is not None:
+            one_off = direct.HeldConnection(self._turn_conn.engine, keep=False)
         return await self._add_turns(batch, one_off)
 
     async def _add_turns(
