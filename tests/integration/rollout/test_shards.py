@@ -49,12 +49,12 @@ MAX_STALENESS = 1
 EPISODES = 48
 
 
-def _config(**rollout: Any) -> RunConfig:
+def _config(*, delay: float = 0.02, **rollout: Any) -> RunConfig:
     return RunConfig.model_validate(
         {
             "name": "sharded",
             "model": {"init": INIT},
-            "envs": [{"id": ENV, "kwargs": {"delay": 0.02, "steps": 2}, "max_concurrency": 6}],
+            "envs": [{"id": ENV, "kwargs": {"delay": delay, "steps": 2}, "max_concurrency": 6}],
             "agent": {"max_new_tokens": 4, "max_turns": 4},
             "rollout": {
                 "controllers": 2,
@@ -129,7 +129,9 @@ async def test_two_shards_play_one_run_and_a_killed_shard_is_recovered(
 ) -> None:
     # Published weights: the run's own init, written once per version.
     model = build_model(ModelInit.model_validate(INIT), seed=0)
-    run_id = await manager.create(_config())
+    # Env steps of 0.1 s: an episode seen live is still live when the kill lands, also on
+    # a loaded machine (with short ones it may end while the query that saw it returns).
+    run_id = await manager.create(_config(delay=0.1))
     run = manager.executors[run_id]
     assert isinstance(run, ShardedRun)
     stream = await manager.stream(run_id)
@@ -189,8 +191,8 @@ async def test_two_shards_play_one_run_and_a_killed_shard_is_recovered(
                 await asyncio.sleep(0.05)
         victim = run.shards[0]
         assert victim is not None and victim.generation == 0
-        async with asyncio.timeout(60):  # while it plays an episode, so one is cut off
-            while not await _count(manager, run_id, live=True, groups=set(victim.held)):
+        async with asyncio.timeout(60):  # while it plays episodes, so some are cut off
+            while await _count(manager, run_id, live=True, groups=set(victim.held)) < 2:
                 await asyncio.sleep(0.005)
         os.kill(victim.process.pid, signal.SIGKILL)
         held = set(victim.held)

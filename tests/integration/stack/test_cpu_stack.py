@@ -196,11 +196,11 @@ def test_cpu_profile_trains_through_a_gateway_kill(stack: Stack, tmp_path: Path)
     # The restart policy brings it back; the run resumes from the database.
     _wait(lambda: int(stack.state("gateway")["restarts"]) > restarts, 120, "a restart")
     stack.wait_healthy(["gateway"], timeout=180)
-    _wait(
-        lambda: stack.state("trainer")["status"] == "exited",
-        600,
-        "the trainer to finish",
-    )
+    try:
+        _wait(lambda: stack.state("trainer")["status"] == "exited", 600, "the trainer to finish")
+    except AssertionError as exc:
+        logs = stack.compose("logs", "--tail", "60", "trainer", "gateway").stdout
+        raise AssertionError(f"{exc}; the trainer's and the gateway's logs:\n{logs}") from None
     trainer = stack.state("trainer")
     logs = stack.compose("logs", "--tail", "40", "trainer").stdout
     assert trainer["exit_code"] == "0", logs
