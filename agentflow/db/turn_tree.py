@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, exists, select
+from sqlalchemy import Table, bindparam, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -59,6 +59,12 @@ _episodes = turn_sql.episodes
 _trajectories = turn_sql.trajectories
 _runs = cast(Table, Run.__table__)
 _environments = cast(Table, Environment.__table__)
+# A lease reads its trajectories' rows (with their group and env) by id: built once.
+_TRAJECTORY_ROWS = (
+    select(_trajectories, _episodes.c.group_id, _episodes.c.env_ref)
+    .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+    .where(_trajectories.c.id.in_(bindparam("ids", expanding=True)))
+)
 
 
 def _check_text(name: str, value: str | None, max_length: int | None) -> None:
@@ -618,12 +624,9 @@ class TurnTree:
         unique = turn_rows.ids_in_order(trajectory_ids)
         found: dict[uuid.UUID, Any] = {}
         async with self._sessions() as session:
+            conn = await session.connection()  # Core, not the ORM: a lease reads these
             for chunk in turn_sql.chunks(unique):
-                rows = await session.execute(
-                    select(_trajectories, _episodes.c.group_id, _episodes.c.env_ref)
-                    .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-                    .where(_trajectories.c.id.in_(chunk))
-                )
+                rows = await conn.execute(_TRAJECTORY_ROWS, {"ids": list(chunk)})
                 found.update({row.id: row for row in rows})
             missing = [t for t in unique if t not in found]
             if missing:

@@ -35,18 +35,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol, cast
 
 import orjson
-from sqlalchemy import Table, case, func, or_, select, update
+from sqlalchemy import Table, update
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from agentflow.db.models import Episode, Run
 from agentflow.db.models import Trajectory as TrajectoryRow
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import AgentFlowError, Conflict, InvalidInput, NotFound
+from agentflow.rollout import stream_sql
 from agentflow.rollout.gate import StalenessGate
-from agentflow.types import OPEN_EPISODE_STATUSES, Trajectory
+from agentflow.types import Trajectory
 
 _trajectories = cast(Table, TrajectoryRow.__table__)
-_episodes = cast(Table, Episode.__table__)
-_runs = cast(Table, Run.__table__)
 
 StalePolicy = Literal["drop", "downweight"]
 LEASE_ID = re.compile(r"[0-9a-f]{32}")
@@ -107,6 +106,7 @@ class DbTrajectoryStream:
         self.poll_s = poll_s
         self.counters = StreamCounters()
         self.gate = gate
+        self._run = {"p_run_id": run_id}  # the parameter of every statement of the run
 
     # ---- pull -----------------------------------------------------------------------
 
@@ -141,11 +141,10 @@ class DbTrajectoryStream:
         now = datetime.now(UTC)
         if resendable:
             async with self.turns.write_transaction() as session:
-                held = await self._renew(session, lease_id, now)
+                conn = await session.connection()
+                held = await self._renew(conn, lease_id, now)
                 if held:
-                    version = await session.scalar(
-                        select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
-                    )
+                    version = await conn.scalar(stream_sql.VERSION, self._run)
             if held:
                 return await self._serve(held, lease_id, version or 0)
         for attempt in range(_LEASE_ATTEMPTS):
@@ -183,24 +182,19 @@ class DbTrajectoryStream:
         dropped and wiped-out-group counts."""
         dropped = dropped_groups = 0
         async with self.turns.write_transaction() as session:
-            expired = await session.execute(
-                update(_trajectories)
-                .where(_trajectories.c.run_id == self.run_id)
-                .where(_trajectories.c.status == "leased")
-                .where(_trajectories.c.lease_until < now)
-                .values(status="ready", lease_until=None)
-            )
-            version = await session.scalar(
-                select(_runs.c.weight_version).where(_runs.c.id == self.run_id)
-            )
+            # Core on the session's connection: the ORM's execute costs more than the
+            # statements here, and they need nothing of it.
+            conn = await session.connection()
+            expired = await conn.execute(stream_sql.EXPIRE, {**self._run, "p_now": now})
+            version = await conn.scalar(stream_sql.VERSION, self._run)
             if version is None:
                 raise NotFound(f"run {self.run_id} not found")
             bound = None if self.max_staleness is None else version - self.max_staleness
-            fresh = await self._candidates(session, fresh=True, bound=bound)
+            fresh = await self._candidates(conn, fresh=True, bound=bound)
             if bound is not None and self.stale_policy == "drop":
                 # After the candidates: a group that ended since is dropped from too, so
                 # what is served and what is marked stale agree.
-                dropped, dropped_groups = await self._drop_stale(session, bound)
+                dropped, dropped_groups = await self._drop_stale(conn, bound)
                 fresh = [
                     row
                     for row in fresh
@@ -209,46 +203,26 @@ class DbTrajectoryStream:
             chosen = _whole_groups(fresh, max_n)
             n_fresh = len(chosen)
             if len(chosen) < max_n and self.max_reuse > 1:
-                replay = await self._candidates(session, fresh=False, bound=bound)
+                replay = await self._candidates(conn, fresh=False, bound=bound)
                 chosen += _whole_groups(replay, max_n - len(chosen))
             ids = [row.id for row in chosen]
+            lease = {"p_lease_id": lease_id, "p_until": now + timedelta(seconds=self.lease_s)}
             leased = 0
             for start in range(0, len(ids), 500):
-                leased += _rowcount(
-                    await session.execute(
-                        update(_trajectories)
-                        .where(_trajectories.c.id.in_(ids[start : start + 500]))
-                        .where(_trajectories.c.status == "ready")
-                        .values(
-                            status="leased",
-                            lease_id=lease_id,
-                            lease_until=now + timedelta(seconds=self.lease_s),
-                        )
-                    )
-                )
+                chunk = ids[start : start + 500]
+                leased += _rowcount(await conn.execute(stream_sql.LEASE, {**lease, "p_ids": chunk}))
             if leased != len(ids):
                 raise _LeaseRace
         return chosen, n_fresh, version, _rowcount(expired), dropped, dropped_groups
 
-    async def _renew(self, session: Any, lease_id: str, now: datetime) -> list[uuid.UUID]:
+    async def _renew(self, conn: AsyncConnection, lease_id: str, now: datetime) -> list[uuid.UUID]:
         """The ids still leased under `lease_id`, their lease renewed."""
         held = list(
-            (
-                await session.scalars(
-                    select(_trajectories.c.id)
-                    .where(_trajectories.c.run_id == self.run_id)
-                    .where(_trajectories.c.status == "leased")
-                    .where(_trajectories.c.lease_id == lease_id)
-                    .order_by(_trajectories.c.created_at, _trajectories.c.id)
-                )
-            ).all()
+            (await conn.scalars(stream_sql.HELD, {**self._run, "p_lease_id": lease_id})).all()
         )
         if held:
-            await session.execute(
-                update(_trajectories)
-                .where(_trajectories.c.id.in_(held))
-                .values(lease_until=now + timedelta(seconds=self.lease_s))
-            )
+            until = now + timedelta(seconds=self.lease_s)
+            await conn.execute(stream_sql.RENEW, {"p_ids": held, "p_until": until})
         return held
 
     async def _serve(
@@ -269,108 +243,43 @@ class DbTrajectoryStream:
             served.append(dataclasses.replace(view, lease_id=lease_id, loss_weight=weight))
         return served
 
-    async def _drop_stale(self, session: Any, bound: int) -> tuple[int, int]:
+    async def _drop_stale(self, conn: AsyncConnection, bound: int) -> tuple[int, int]:
         """Mark servable trajectories past the bound `stale`; returns how many, and the
         groups wiped out. Only groups whose episodes have all ended: a group still playing
         may yet make a trajectory inside the bound, so whether it is wiped out (and
         refunded to the gate) is known only then; it is not served before then anyway."""
-        sibling = _episodes.alias("sibling")
-        still_playing = (
-            select(sibling.c.id)
-            .where(sibling.c.run_id == self.run_id)
-            .where(sibling.c.group_id == _episodes.c.group_id)
-            .where(sibling.c.status.in_(OPEN_EPISODE_STATUSES))
-            .exists()
-        )
-        stale = (
-            await session.execute(
-                select(_trajectories.c.id, _episodes.c.group_id)
-                .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-                .where(_trajectories.c.run_id == self.run_id)
-                .where(_trajectories.c.status == "ready")
-                .where(_trajectories.c.times_served == 0)
-                .where(_trajectories.c.min_weight_version < bound)
-                .where(~still_playing)
-            )
-        ).all()
+        stale = (await conn.execute(stream_sql.STALE, {**self._run, "p_bound": bound})).all()
         if not stale:
             return 0, 0
         ids = [row.id for row in stale]
         for start in range(0, len(ids), 500):
-            await session.execute(
-                update(_trajectories)
-                .where(_trajectories.c.id.in_(ids[start : start + 500]))
-                .values(status="stale")
-            )
+            await conn.execute(stream_sql.MARK_STALE, {"p_ids": ids[start : start + 500]})
         groups = {row.group_id for row in stale if row.group_id is not None}
         wiped = 0
         for group in groups:  # a group with nothing left to train on is refunded
-            left = await session.scalar(
-                select(func.count())
-                .select_from(
-                    _trajectories.join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-                )
-                .where(_episodes.c.group_id == group)
-                .where(_trajectories.c.status.in_(("ready", "leased", "consumed")))
-            )
-            wiped += not left
+            wiped += not await conn.scalar(stream_sql.GROUP_LEFT, {"p_group": group})
         return len(ids), wiped
 
-    async def _candidates(self, session: Any, *, fresh: bool, bound: int | None) -> list[Any]:
-        """Servable rows of whole groups, in serving order. A group is whole when none of
-        its episodes is open and it has `group_size` of them: checked once per group with
-        ready rows (one aggregate), not once per row."""
-        ready = (
-            select(
-                _trajectories.c.id,
-                _episodes.c.group_id,
-                _trajectories.c.times_served,
-                _trajectories.c.created_at,
-                _trajectories.c.lease_id,
-                _trajectories.c.min_weight_version,
-            )
-            .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-            .where(_trajectories.c.run_id == self.run_id)
-            .where(_trajectories.c.status == "ready")
-        )
+    async def _candidates(
+        self, conn: AsyncConnection, *, fresh: bool, bound: int | None
+    ) -> list[Any]:
+        """Servable rows of whole groups, in serving order (`stream_sql.FRESH`, `REPLAY`)."""
+        params: dict[str, Any] = {**self._run, "p_group_size": self.group_size}
         if fresh:
-            ready = ready.where(_trajectories.c.times_served == 0)
+            query = stream_sql.FRESH
         else:
-            ready = ready.where(_trajectories.c.times_served.between(1, self.max_reuse - 1))
-            if bound is not None:  # replays only inside the bound, whatever the policy
-                ready = ready.where(
-                    or_(
-                        _trajectories.c.min_weight_version.is_(None),
-                        _trajectories.c.min_weight_version >= bound,
-                    )
-                )
-        rows = ready.cte("ready_rows")
-        peer = _episodes.alias("peer")
-        whole = (
-            select(peer.c.group_id)
-            .where(peer.c.group_id.in_(select(rows.c.group_id).where(rows.c.group_id.is_not(None))))
-            .group_by(peer.c.group_id)
-            .having(func.count() >= self.group_size)
-            .having(func.sum(case((peer.c.status.in_(OPEN_EPISODE_STATUSES), 1), else_=0)) == 0)
-        )
-        query = select(rows).where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
-        if fresh:
-            query = query.order_by(rows.c.created_at, rows.c.id)
-        else:  # the least replayed first, then the most recent (closest to the policy)
-            query = query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
-        return list((await session.execute(query)).all())
+            params["p_max_served"] = self.max_reuse - 1
+            query = stream_sql.REPLAY if bound is None else stream_sql.REPLAY_BOUNDED
+            if bound is not None:
+                params["p_bound"] = bound
+        return list((await conn.execute(query, params)).all())
 
     async def reclaim(self) -> int:
         """A trainer starting up owns the run's stream: leases its dead predecessor held
         go back to `ready` at once instead of after `lease_s` (their lease ids stay, so a
         checkpointed batch can still be acknowledged). Returns how many came back."""
         async with self.turns.write_transaction() as session:
-            result = await session.execute(
-                update(_trajectories)
-                .where(_trajectories.c.run_id == self.run_id)
-                .where(_trajectories.c.status == "leased")
-                .values(status="ready", lease_until=None)
-            )
+            result = await (await session.connection()).execute(stream_sql.RECLAIM, self._run)
         return _rowcount(result)
 
     # ---- ack / reject ---------------------------------------------------------------
@@ -381,31 +290,16 @@ class DbTrajectoryStream:
         if not ids:
             return 0
         counted = 0
+        params: dict[str, Any] = {**self._run, "p_max_reuse": self.max_reuse}
+        query = stream_sql.ACK
+        if lease_id is not None:
+            query = stream_sql.ACK_LEASE
+            params["p_lease_id"] = lease_id
         async with self.turns.write_transaction() as session:
+            conn = await session.connection()
             for start in range(0, len(ids), 500):
                 chunk = list(ids[start : start + 500])
-                match = [
-                    _trajectories.c.run_id == self.run_id,
-                    _trajectories.c.id.in_(chunk),
-                    _trajectories.c.lease_id.is_not(None),
-                    _trajectories.c.status.in_(("leased", "ready")),
-                ]
-                if lease_id is not None:
-                    match.append(_trajectories.c.lease_id == lease_id)
-                query = (
-                    update(_trajectories)
-                    .where(*match)
-                    .values(
-                        times_served=_trajectories.c.times_served + 1,
-                        status=case(
-                            (_trajectories.c.times_served + 1 >= self.max_reuse, "consumed"),
-                            else_="ready",
-                        ),
-                        lease_id=None,
-                        lease_until=None,
-                    )
-                )
-                counted += _rowcount(await session.execute(query))
+                counted += _rowcount(await conn.execute(query, {**params, "p_ids": chunk}))
         self.counters.acked += counted
         return counted
 

@@ -1,0 +1,178 @@
+"""The trajectory stream's statements, built once.
+
+A trainer's pull runs a lease transaction each time trajectories are added (several a
+second at a thousand live episodes), and a statement built per call costs more of the
+gateway's CPU than the database spends running it: SQLAlchemy constructs its clauses,
+column collections of the aliases and the CTE, and a cache key, before it finds the
+compiled form in its cache. Built once here with bound parameters, each keeps its cache
+key, and a call only binds values. Parameter names start with `p_`: SQLAlchemy reserves
+a column's own name in an UPDATE's SET clause.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from sqlalchemy import Table, bindparam, case, func, or_, select, update
+from sqlalchemy.sql import Select, Update
+
+from agentflow.db.models import Episode, Run
+from agentflow.db.models import Trajectory as TrajectoryRow
+from agentflow.types import OPEN_EPISODE_STATUSES
+
+_trajectories = cast(Table, TrajectoryRow.__table__)
+_episodes = cast(Table, Episode.__table__)
+_runs = cast(Table, Run.__table__)
+_t = _trajectories.c
+
+# Leases past their time back to `ready` (p_run_id, p_now).
+EXPIRE: Update = (
+    update(_trajectories)
+    .where(_t.run_id == bindparam("p_run_id"))
+    .where(_t.status == "leased")
+    .where(_t.lease_until < bindparam("p_now"))
+    .values(status="ready", lease_until=None)
+)
+
+# The run's weight version (p_run_id).
+VERSION: Select = select(_runs.c.weight_version).where(_runs.c.id == bindparam("p_run_id"))
+
+# Lease the chosen rows still `ready` (p_ids, p_lease_id, p_until).
+LEASE: Update = (
+    update(_trajectories)
+    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
+    .where(_t.status == "ready")
+    .values(status="leased", lease_id=bindparam("p_lease_id"), lease_until=bindparam("p_until"))
+)
+
+# The ids a lease still holds, in serving order (p_run_id, p_lease_id); and their renewal
+# (p_ids, p_until).
+HELD: Select = (
+    select(_t.id)
+    .where(_t.run_id == bindparam("p_run_id"))
+    .where(_t.status == "leased")
+    .where(_t.lease_id == bindparam("p_lease_id"))
+    .order_by(_t.created_at, _t.id)
+)
+RENEW: Update = (
+    update(_trajectories)
+    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
+    .values(lease_until=bindparam("p_until"))
+)
+
+
+def _stale() -> Select:
+    """Unserved ready rows past the bound of groups whose episodes have all ended
+    (p_run_id, p_bound)."""
+    sibling = _episodes.alias("sibling")
+    still_playing = (
+        select(sibling.c.id)
+        .where(sibling.c.run_id == bindparam("p_run_id"))
+        .where(sibling.c.group_id == _episodes.c.group_id)
+        .where(sibling.c.status.in_(OPEN_EPISODE_STATUSES))
+        .exists()
+    )
+    return (
+        select(_t.id, _episodes.c.group_id)
+        .join(_episodes, _episodes.c.id == _t.episode_id)
+        .where(_t.run_id == bindparam("p_run_id"))
+        .where(_t.status == "ready")
+        .where(_t.times_served == 0)
+        .where(_t.min_weight_version < bindparam("p_bound"))
+        .where(~still_playing)
+    )
+
+
+STALE = _stale()
+MARK_STALE: Update = (
+    update(_trajectories)
+    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
+    .values(status="stale")
+)
+# How many of a group's trajectories are still to train on (p_group).
+GROUP_LEFT: Select = (
+    select(func.count())
+    .select_from(_trajectories.join(_episodes, _episodes.c.id == _t.episode_id))
+    .where(_episodes.c.group_id == bindparam("p_group"))
+    .where(_t.status.in_(("ready", "leased", "consumed")))
+)
+
+
+def _candidates(*, fresh: bool, bounded: bool) -> Select:
+    """Servable rows of whole groups, in serving order (p_run_id, p_group_size; replays
+    also p_max_served, and p_bound when `bounded`). A group is whole when none of its
+    episodes is open and it has `p_group_size` of them: checked once per group with
+    ready rows (one aggregate), not once per row."""
+    ready = (
+        select(
+            _t.id,
+            _episodes.c.group_id,
+            _t.times_served,
+            _t.created_at,
+            _t.lease_id,
+            _t.min_weight_version,
+        )
+        .join(_episodes, _episodes.c.id == _t.episode_id)
+        .where(_t.run_id == bindparam("p_run_id"))
+        .where(_t.status == "ready")
+    )
+    if fresh:
+        ready = ready.where(_t.times_served == 0)
+    else:
+        ready = ready.where(_t.times_served.between(1, bindparam("p_max_served")))
+        if bounded:  # replays only inside the bound, whatever the policy
+            ready = ready.where(
+                or_(_t.min_weight_version.is_(None), _t.min_weight_version >= bindparam("p_bound"))
+            )
+    rows = ready.cte("ready_rows")
+    peer = _episodes.alias("peer")
+    whole = (
+        select(peer.c.group_id)
+        .where(peer.c.group_id.in_(select(rows.c.group_id).where(rows.c.group_id.is_not(None))))
+        .group_by(peer.c.group_id)
+        .having(func.count() >= bindparam("p_group_size"))
+        .having(func.sum(case((peer.c.status.in_(OPEN_EPISODE_STATUSES), 1), else_=0)) == 0)
+    )
+    query = select(rows).where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
+    if fresh:
+        return query.order_by(rows.c.created_at, rows.c.id)
+    # The least replayed first, then the most recent (closest to the policy).
+    return query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
+
+
+FRESH = _candidates(fresh=True, bounded=False)
+REPLAY = _candidates(fresh=False, bounded=False)
+REPLAY_BOUNDED = _candidates(fresh=False, bounded=True)
+
+
+def _ack(*, by_lease: bool) -> Update:
+    """Count one training of each row of p_ids still leased or ready in the run
+    (p_run_id, p_max_reuse; by `p_lease_id` when `by_lease`)."""
+    query = (
+        update(_trajectories)
+        .where(_t.run_id == bindparam("p_run_id"))
+        .where(_t.id.in_(bindparam("p_ids", expanding=True)))
+        .where(_t.lease_id.is_not(None))
+        .where(_t.status.in_(("leased", "ready")))
+        .values(
+            times_served=_t.times_served + 1,
+            status=case(
+                (_t.times_served + 1 >= bindparam("p_max_reuse"), "consumed"), else_="ready"
+            ),
+            lease_id=None,
+            lease_until=None,
+        )
+    )
+    return query.where(_t.lease_id == bindparam("p_lease_id")) if by_lease else query
+
+
+ACK = _ack(by_lease=False)
+ACK_LEASE = _ack(by_lease=True)
+
+# A trainer starting up takes back its predecessor's leases (p_run_id).
+RECLAIM: Update = (
+    update(_trajectories)
+    .where(_t.run_id == bindparam("p_run_id"))
+    .where(_t.status == "leased")
+    .values(status="ready", lease_until=None)
+)
