@@ -6,7 +6,10 @@ The database is the source of truth, so nothing is lost when either side dies:
   (a task's samples go together, for group-normalized advantages), only groups whose
   episodes have all finished, oldest first. Fresh trajectories always come first;
   replays (ReFlow) fill in only when fresh ones are short, each trajectory at most
-  `max_reuse` times and only while inside the staleness bound.
+  `max_reuse` times and only while inside the staleness bound. A pull that found nothing
+  and was woken by new trajectories waits `linger_s` (0.1 s) for more before it leases,
+  so a trainer filling a batch costs one lease transaction per linger, not one per
+  batch of episode ends.
 - `ack(ids, lease_id)` records that the trainer's step with them committed. It counts
   once per lease: a repeated ack is a no-op, and an ack after the lease expired still
   counts (a trainer that committed its step and died before acknowledging acks its
@@ -89,11 +92,14 @@ class DbTrajectoryStream:
         stale_policy: StalePolicy = "drop",
         lease_s: float = 600.0,
         poll_s: float = 0.5,
+        linger_s: float = 0.1,
         gate: StalenessGate | None = None,
     ) -> None:
         """`gate`: the run scheduler's staleness gate, told of every group a pull hands
         out for the first time, and of every group whose trajectories were all dropped
-        as stale (so it admits another)."""
+        as stale (so it admits another). `linger_s`: how long a waiting pull, woken by
+        new trajectories, waits for more before it leases (one lease then takes what
+        several batches of episode ends made, instead of a lease transaction each)."""
         if max_reuse < 1:
             raise InvalidInput("max_reuse must be >= 1", field="max_reuse")
         self.turns = turns
@@ -104,6 +110,7 @@ class DbTrajectoryStream:
         self.stale_policy = stale_policy
         self.lease_s = lease_s
         self.poll_s = poll_s
+        self.linger_s = linger_s
         self.counters = StreamCounters()
         self.gate = gate
         self._run = {"p_run_id": run_id}  # the parameter of every statement of the run
@@ -136,6 +143,8 @@ class DbTrajectoryStream:
             # Another process (the gateway, in the split form) may add trajectories too.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
+            if added.is_set() and self.linger_s > 0:
+                await asyncio.sleep(min(self.linger_s, max(0.0, deadline - time.monotonic())))
 
     async def _lease(self, max_n: int, lease_id: str, *, resendable: bool) -> list[Trajectory]:
         now = datetime.now(UTC)

@@ -191,6 +191,25 @@ async def test_pull_waits_for_a_group_to_finish(turn_tree: TurnTree) -> None:
         await stream.pull(0)
 
 
+async def test_a_woken_pull_lingers_and_leases_what_came_meanwhile(turn_tree: TurnTree) -> None:
+    """Woken by new trajectories, a waiting pull waits `linger_s` for more and takes them
+    in one lease; the linger never runs past the pull's own timeout. (Polls, for other
+    processes' trajectories, are out of the way here: a poll that finds some leases them.)"""
+    run = await make_run(turn_tree)
+    stream = _stream(turn_tree, run, group_size=1, poll_s=30, linger_s=2.0)
+    puller = asyncio.create_task(stream.pull(5, timeout=30))
+    await asyncio.sleep(0.1)
+    first = await finished_group(turn_tree, run, 1)
+    second = await finished_group(turn_tree, run, 1)  # within the linger
+    assert {t.group_id for t in await asyncio.wait_for(puller, 10)} == {first, second}
+
+    short = _stream(turn_tree, run, group_size=1, poll_s=30, linger_s=60.0)
+    puller = asyncio.create_task(short.pull(5, timeout=0.5))
+    await asyncio.sleep(0.1)
+    third = await finished_group(turn_tree, run, 1)
+    assert [t.group_id for t in await asyncio.wait_for(puller, 10)] == [third]
+
+
 async def test_concurrent_leasers_never_share_or_split_a_group(turn_tree: TurnTree) -> None:
     """Leasing locks only the rows it takes: leasers racing over the same groups each get
     whole groups, and no trajectory goes to two of them."""
