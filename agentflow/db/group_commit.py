@@ -11,6 +11,14 @@ that long after its last batch for more calls (written at once when they come), 
 what it holds between batches (a database connection, `on_idle` gives it back) is not
 given back and taken again between every two writes of a steady trickle.
 
+Below saturation that rule writes nearly every call alone: a thousand live episodes
+send a few hundred turns a second, each arriving while the event loop is idle, and a
+statement per call costs more CPU than the rows. A call that nobody waits on at once
+(`submit(item, gather=True)`: a turn the episode goes on past) may wait up to `gather_s`
+after its submission for others to share its batch; the batch is written when its
+oldest gathering call has waited that long, when it is full, or as soon as a call that
+does not gather joins it (an API call waiting on its write).
+
 A batch write returns one result per item, an exception among them failing that item
 alone (an episode already finished, say). A batch write that raises is written again
 one item at a time, in order, so that each caller gets its own item's error and good
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -72,13 +81,17 @@ class GroupCommit(Generic[Item, Result]):
         *,
         max_batch: int = 500,
         linger_s: float = 0.0,
+        gather_s: float = 0.0,
         on_idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._write_batch = write_batch
         self._max_batch = max_batch
         self._linger_s = linger_s
+        self._gather_s = gather_s
         self._on_idle = on_idle
         self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        self._due = math.inf  # loop time by which what is queued must be written
+        self._hurry: asyncio.Future[bool] | None = None  # set while the drain gathers
         self._draining = False  # a drain task takes what is queued (or lingers for it)
         self._drain_task: asyncio.Task[None] | None = None  # the loop keeps tasks weakly
         self._more: asyncio.Future[bool] | None = None  # set while the drain lingers
@@ -89,14 +102,23 @@ class GroupCommit(Generic[Item, Result]):
         """Items waiting for a batch (the one being written not counted)."""
         return len(self._pending)
 
-    def submit(self, item: Item) -> asyncio.Future[Result]:
+    def submit(self, item: Item, *, gather: bool = False) -> asyncio.Future[Result]:
         """Queue `item` now (so items queued later are written after it); the future
-        resolves once it is committed, or carries its own error."""
+        resolves once it is committed, or carries its own error. With `gather`, its
+        write may wait up to `gather_s` for others to share the batch."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         submitted = loop.time()
         future.add_done_callback(lambda _: self.waits.add(loop.time() - submitted))
         self._pending.append((item, future))
+        due = submitted + self._gather_s if gather else submitted
+        if due < self._due:
+            self._due = due
+            if self._hurry is not None and not self._hurry.done():
+                self._hurry.set_result(True)
+        elif len(self._pending) >= self._max_batch and self._hurry is not None:
+            if not self._hurry.done():
+                self._hurry.set_result(True)
         if not self._draining:
             self._draining = True
             self._drain_task = asyncio.create_task(self._drain())
@@ -104,17 +126,20 @@ class GroupCommit(Generic[Item, Result]):
             self._more.set_result(True)
         return future
 
-    async def add(self, item: Item) -> Result:
+    async def add(self, item: Item, *, gather: bool = False) -> Result:
         """Write `item`; its result once committed, or its own error."""
-        return await self.submit(item)
+        return await self.submit(item, gather=gather)
 
     async def _drain(self) -> None:
         batch: list[tuple[Item, asyncio.Future[Result]]] = []
         try:
             while True:
                 while self._pending:
+                    await self._gather()
                     batch = self._pending[: self._max_batch]
                     del self._pending[: self._max_batch]
+                    # What stays queued (past a full batch) is written next, at once.
+                    self._due = -math.inf if self._pending else math.inf
                     await self._write(batch)
                 batch = []
                 more = self._linger_s > 0 and await self._more_within(self._linger_s)
@@ -126,10 +151,27 @@ class GroupCommit(Generic[Item, Result]):
             for _, future in batch + self._pending:
                 future.cancel()
             self._pending.clear()
+            self._due = math.inf
             raise
         finally:
             if self._on_idle is not None:
                 await self._on_idle()
+
+    async def _gather(self) -> None:
+        """Until what is queued is due: its oldest gathering call has waited `gather_s`,
+        a call that does not gather came, or a batch is full."""
+        loop = asyncio.get_running_loop()
+        while len(self._pending) < self._max_batch:
+            left = self._due - loop.time()
+            if left <= 0:
+                return
+            self._hurry = hurry = loop.create_future()
+            timer = loop.call_later(left, _settle, hurry, False)
+            try:
+                await hurry
+            finally:
+                timer.cancel()
+                self._hurry = None
 
     async def _more_within(self, seconds: float) -> bool:
         """Whether an item is submitted within `seconds`."""

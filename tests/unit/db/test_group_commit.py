@@ -172,3 +172,59 @@ async def test_a_drain_cancelled_while_it_lingers_still_goes_idle() -> None:
     commit._drain_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await commit._drain_task
+
+
+async def test_gathering_calls_share_a_batch_until_the_oldest_has_waited() -> None:
+    """Calls that gather, arriving apart, are written together once the first has waited
+    `gather_s`; the wait of each stays inside it (plus the write)."""
+    store = FakeStore(delay=0.0)
+    batcher = GroupCommit(store.write, gather_s=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    first = batcher.submit(turn(), gather=True)
+    await asyncio.sleep(0.05)
+    second = batcher.submit(turn(), gather=True)
+    await asyncio.sleep(0.05)
+    assert store.batches == []  # nothing written while the first may still wait
+    await asyncio.gather(first, second)
+    assert [len(b) for b in store.batches] == [2]
+    assert 0.2 <= loop.time() - started < 2.0
+
+
+async def test_a_call_that_does_not_gather_takes_the_gathered_ones_along_at_once() -> None:
+    store = FakeStore(delay=0.0)
+    batcher = GroupCommit(store.write, gather_s=30.0)
+    gathered = [batcher.submit(turn(), gather=True) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert store.batches == []
+    urgent = turn()
+    await asyncio.wait_for(batcher.add(urgent), 5)  # not 30 s
+    await asyncio.gather(*gathered)
+    assert [len(b) for b in store.batches] == [4] and store.written[-1] == urgent.id
+
+
+async def test_a_full_batch_of_gathering_calls_is_written_at_once() -> None:
+    store = FakeStore(delay=0.0)
+    batcher = GroupCommit(store.write, max_batch=4, gather_s=30.0)
+    turns = [turn() for _ in range(6)]
+    futures = [batcher.submit(t, gather=True) for t in turns]
+    await asyncio.wait_for(asyncio.gather(*futures[:4]), 5)
+    assert store.batches[0] == [t.id for t in turns[:4]]
+    # The two past the full batch were queued behind it: written next, not after 30 s.
+    await asyncio.wait_for(asyncio.gather(*futures[4:]), 5)
+    assert [len(b) for b in store.batches] == [4, 2]
+
+
+async def test_a_drain_cancelled_while_gathering_cancels_its_callers() -> None:
+    store = FakeStore(delay=0.0)
+    batcher = GroupCommit(store.write, gather_s=30.0)
+    future = batcher.submit(turn(), gather=True)
+    await asyncio.sleep(0.01)
+    assert batcher._drain_task is not None
+    batcher._drain_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await batcher._drain_task
+    assert future.cancelled() and store.batches == []
+    # The batcher works afterwards: a new call is written at once.
+    await asyncio.wait_for(batcher.add(turn()), 5)
+    assert len(store.batches) == 1
