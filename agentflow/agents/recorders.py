@@ -47,6 +47,7 @@ class TurnTreeRecorder:
 
     async def record(self, record: TurnRecord) -> None:
         if len(self.pending) >= self.window:
+            self.turns.hurry_turns()  # waited on now: not worth gathering for
             # Shielded: a cancel must not cancel the write itself, which `settle` awaits.
             await asyncio.shield(self.pending[0])
         while self.pending and self.pending[0].done():  # writes commit in order
@@ -78,6 +79,10 @@ class TurnTreeRecorder:
         pending, self.pending = self.pending, []
         if not pending:
             return
+        # Hurried only when nothing but these writes is queued (one episode at a time: no
+        # one to share a batch with). Among other episodes' writes the end waits the
+        # moment they gather for: a batch for each episode's end would undo the gathering.
+        self.turns.hurry_turns(at_most=len(pending))
         done = asyncio.gather(*pending, return_exceptions=True)
         try:
             results = await asyncio.shield(done)

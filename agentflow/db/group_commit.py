@@ -126,6 +126,14 @@ class GroupCommit(Generic[Item, Result]):
             self._more.set_result(True)
         return future
 
+    def hurry(self) -> None:
+        """Make what is queued due now: someone waits on a write that gathers after all
+        (an episode's window of unfinished writes is full, or it ends alone)."""
+        if self._pending:
+            self._due = -math.inf
+            if self._hurry is not None and not self._hurry.done():
+                self._hurry.set_result(True)
+
     async def add(self, item: Item, *, gather: bool = False) -> Result:
         """Write `item`; its result once committed, or its own error."""
         return await self.submit(item, gather=gather)

@@ -273,6 +273,13 @@ class TurnTree:
         turn = NewTurn(episode_id=episode_id, parent_id=parent_id, record=record)
         return turn.id, self._turn_writes.submit(turn, gather=True)
 
+    def hurry_turns(self, *, at_most: int | None = None) -> None:
+        """Write the queued turns now: their submitter waits on them (`submit_turn`'s
+        writes may otherwise wait a moment for others to share their batch). With
+        `at_most`, only if no more than that many are queued."""
+        if at_most is None or self._turn_writes.queued <= at_most:
+            self._turn_writes.hurry()
+
     async def _write_turns(self, batch: Sequence[NewTurn]) -> list[None]:
         await self._add_turns(batch, self._turn_conn)
         return [None] * len(batch)

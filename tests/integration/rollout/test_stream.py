@@ -64,15 +64,16 @@ async def test_a_resent_pull_gets_its_lease_back_instead_of_more(turn_tree: Turn
     run = await make_run(turn_tree)
     await finished_group(turn_tree, run, 2)
     await finished_group(turn_tree, run, 2)
-    stream = _stream(turn_tree, run, lease_s=0.5)
+    # Seconds apart, with a second or more to spare either way on a loaded machine.
+    stream = _stream(turn_tree, run, lease_s=3.0)
     lease = uuid.uuid4().hex
     first = await stream.pull(2, lease_id=lease)
     assert len(first) == 2 and {t.lease_id for t in first} == {lease}
     # Its answer was lost; the caller sends the same pull again, past half the lease.
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(1.8)
     again = await stream.pull(2, lease_id=lease)
     assert [t.id for t in again] == [t.id for t in first]
-    await asyncio.sleep(0.3)  # the first lease would have expired by now: renewed
+    await asyncio.sleep(1.8)  # the first lease would have expired by now: renewed
     other = await stream.pull(10)
     assert {t.id for t in other}.isdisjoint(t.id for t in first) and len(other) == 2
     assert stream.counters.served_fresh == 4 and stream.counters.expired_leases == 0

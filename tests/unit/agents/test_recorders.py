@@ -16,6 +16,11 @@ class QueuedTurns:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[float, uuid.UUID | None, str]] = []
+        self.hurried = 0  # how often the recorder said it waits on its writes
+
+    def hurry_turns(self, *, at_most: int | None = None) -> None:
+        self.hurried += 1
+        self.at_most = at_most
 
     def submit_turn(
         self, episode_id: uuid.UUID, parent_id: uuid.UUID | None, record: TurnRecord
@@ -68,3 +73,65 @@ async def test_settle_queues_a_held_reply() -> None:
     await rec.settle()
     assert [kind for _, _, kind in turns.submitted] == ["policy"]
     assert rec.last is not None
+
+
+class GatheringTurns(QueuedTurns):
+    """Writes wait `gather_s` (as gathering writes do), or until the recorder says it
+    waits on them."""
+
+    gather_s = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unwritten: list[asyncio.Future[None]] = []
+
+    def submit_turn(
+        self, episode_id: uuid.UUID, parent_id: uuid.UUID | None, record: TurnRecord
+    ) -> tuple[uuid.UUID, asyncio.Future[None]]:
+        self.submitted.append((0.0, parent_id, record.kind))
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[None] = loop.create_future()
+        self.unwritten.append(written)
+        loop.call_later(self.gather_s, self._write, written)
+        return uuid.uuid4(), written
+
+    def _write(self, written: asyncio.Future[None]) -> None:
+        if not written.done():
+            written.set_result(None)
+
+    queued_by_others = 0
+
+    def hurry_turns(self, *, at_most: int | None = None) -> None:
+        super().hurry_turns(at_most=at_most)
+        if at_most is not None and len(self.unwritten) + self.queued_by_others > at_most:
+            return
+        for written in self.unwritten:
+            self._write(written)
+        self.unwritten.clear()
+
+
+async def test_a_full_window_hurries_the_writes_it_waits_on() -> None:
+    """A full window would stall the loop for the gathering: it hurries the writes. The
+    episode's end hurries them only if they are all that is queued; among other
+    episodes' writes it waits for them to gather (one batch per end would undo it)."""
+    turns = GatheringTurns()
+    turns.queued_by_others = 5
+    rec = recorder(turns, window=2)
+    loop = asyncio.get_running_loop()
+    await rec.record(ENV)
+    await rec.record(ENV)
+    assert turns.hurried == 0  # two writes outstanding: the loop goes on
+    started = loop.time()
+    await asyncio.wait_for(rec.record(ENV), 5)  # the window is full: it waits, hurried
+    assert turns.hurried == 1 and loop.time() - started < turns.gather_s
+    started = loop.time()
+    await asyncio.wait_for(rec.settle(), 5)
+    assert loop.time() - started >= turns.gather_s * 0.9  # others' writes queued
+    assert turns.at_most == 1  # its own write: the one the window did not hurry
+
+    alone = GatheringTurns()
+    rec = recorder(alone)
+    await rec.record(ENV)
+    started = loop.time()
+    await asyncio.wait_for(rec.settle(), 5)
+    assert loop.time() - started < alone.gather_s  # nothing else queued: hurried

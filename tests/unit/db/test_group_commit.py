@@ -228,3 +228,15 @@ async def test_a_drain_cancelled_while_gathering_cancels_its_callers() -> None:
     # The batcher works afterwards: a new call is written at once.
     await asyncio.wait_for(batcher.add(turn()), 5)
     assert len(store.batches) == 1
+
+
+async def test_hurry_writes_what_gathers_at_once() -> None:
+    store = FakeStore(delay=0.0)
+    batcher = GroupCommit(store.write, gather_s=30.0)
+    futures = [batcher.submit(turn(), gather=True) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert store.batches == []
+    batcher.hurry()
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert [len(b) for b in store.batches] == [3]
+    batcher.hurry()  # nothing queued: nothing to do
