@@ -112,18 +112,14 @@ class GroupCommit(Generic[Item, Result]):
         future.add_done_callback(lambda _: self.waits.add(loop.time() - submitted))
         self._pending.append((item, future))
         due = submitted + self._gather_s if gather else submitted
-        if due < self._due:
-            self._due = due
-            if self._hurry is not None and not self._hurry.done():
-                self._hurry.set_result(True)
-        elif len(self._pending) >= self._max_batch and self._hurry is not None:
-            if not self._hurry.done():
-                self._hurry.set_result(True)
+        if due < self._due or len(self._pending) >= self._max_batch:
+            self._due = min(self._due, due)
+            _wake(self._hurry)
         if not self._draining:
             self._draining = True
             self._drain_task = asyncio.create_task(self._drain())
-        elif self._more is not None and not self._more.done():
-            self._more.set_result(True)
+        else:
+            _wake(self._more)
         return future
 
     def hurry(self) -> None:
@@ -131,8 +127,7 @@ class GroupCommit(Generic[Item, Result]):
         (an episode's window of unfinished writes is full, or it ends alone)."""
         if self._pending:
             self._due = -math.inf
-            if self._hurry is not None and not self._hurry.done():
-                self._hurry.set_result(True)
+            _wake(self._hurry)
 
     async def add(self, item: Item, *, gather: bool = False) -> Result:
         """Write `item`; its result once committed, or its own error."""
@@ -206,6 +201,12 @@ class GroupCommit(Generic[Item, Result]):
             raise AssertionError(f"a batch of {len(batch)} got {len(results)} results")
         for (_, future), result in zip(batch, results, strict=True):
             _settle(future, result)
+
+
+def _wake(waiting: asyncio.Future[bool] | None) -> None:
+    """Wake the drain where it waits (to gather, or lingering) for a submit."""
+    if waiting is not None and not waiting.done():
+        waiting.set_result(True)
 
 
 def _settle(future: asyncio.Future[Result], outcome: Result | BaseException) -> None:
