@@ -47,6 +47,13 @@ def _raw(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
 
 
+def _meant(value: Any) -> Any:
+    """What `value` sent as `_raw` JSON means: two escaped surrogates that form a pair
+    are one character in JSON (`"\\ud800\\udc00"` is U+10000), so that is what a
+    gateway stores and reads back."""
+    return json.loads(_raw(value))
+
+
 @pytest.fixture
 async def http(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(database_url=database_url, api_key=API_KEY))
@@ -103,13 +110,13 @@ async def test_env_text_is_refused_or_stored_exactly(
     created = await _send(http, "POST", "/v1/envs", body)
     if _ok(created):
         stored = (await _send(http, "GET", f"/v1/envs/{created.json()['id']}")).json()
-        assert stored["description"] == text
-        assert stored["spec"]["kwargs"] == body["spec"]["kwargs"]  # type: ignore[index]
-        assert stored["tools"][0]["function"]["description"] == text
+        assert stored["description"] == _meant(text)
+        assert stored["spec"]["kwargs"] == _meant(body["spec"]["kwargs"])  # type: ignore[index]
+        assert stored["tools"][0]["function"]["description"] == _meant(text)
         patched = await _send(http, "PATCH", f"/v1/envs/{name}", {"description": text[::-1]})
         if _ok(patched):
             again = await _send(http, "GET", f"/v1/envs/{name}")
-            assert again.json()["description"] == text[::-1]
+            assert again.json()["description"] == _meant(text[::-1])
     else:
         assert created.status_code == 422
     await _send(http, "GET", "/v1/envs?name=" + _quoted(text[:2000]))
@@ -130,8 +137,8 @@ async def test_run_text_is_refused_or_stored_exactly(http: httpx.AsyncClient, te
     created = await _send(http, "POST", "/v1/runs", config, params={"start": "false"})
     if _ok(created):
         stored = (await _send(http, "GET", f"/v1/runs/{created.json()['id']}")).json()
-        assert stored["name"] == config["name"]
-        assert stored["config"]["agent"]["system_prompt"] == text
+        assert stored["name"] == _meant(config["name"])
+        assert stored["config"]["agent"]["system_prompt"] == _meant(text)
     await _send(http, "GET", "/v1/runs?name=" + _quoted(text[:2000]))
 
 
