@@ -81,9 +81,10 @@ _PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
 # gaps between an episode's writes, short next to anything a person waits for.
 _LINGER_S = 0.05
 # How long a write nobody waits on at once may wait for others to share its batch
-# (`GroupCommit.submit(gather=True)`): a white-box episode's turns, and the creates and
-# ends of a run's own episodes. Far below an episode's length, and it saves a statement
-# (an end: a transaction) per write that would otherwise go alone.
+# (`GroupCommit.submit(gather=True)`): a white-box episode's turns. Far below an
+# episode's length, and it saves a statement per write that would otherwise go alone.
+# (`create_episode` and `complete_episode` take `gather=` too; the run executor does not
+# use it: a run's last episodes then ended after the trainer's last version was due.)
 _GATHER_S = 0.02
 
 
