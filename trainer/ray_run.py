@@ -193,6 +193,10 @@ async def _train_ranks(config: RunConfig, gateway: str, host: str) -> dict[str, 
         return result
 
 
+# How long the other ranks get to answer once one has failed.
+_RANK_ANSWERS_S = 30.0
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -229,8 +233,22 @@ async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, A
             }
             actors.append(ray.remote(TrainerRank).options(**options).remote(rank, world, master))
         document = config.model_dump(mode="json")
-        results = await asyncio.gather(*(a.train.remote(document, gateway) for a in actors))
-        return dict(results[0])
+        running = [asyncio.ensure_future(a.train.remote(document, gateway)) for a in actors]
+        _, pending = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            # A killed rank's peers fail too (their collective loses the connection), and
+            # their error may come first: wait a moment for every rank's answer, so a
+            # death is told from a failure and the ranks are started again.
+            await asyncio.wait(pending, timeout=_RANK_ANSWERS_S)
+        answered = [f for f in running if f.done()]
+        for late in running:
+            if not late.done():
+                late.cancel()  # its actor is killed below
+        errors = [e for f in answered if (e := f.exception()) is not None]
+        died = [e for e in errors if isinstance(e, ray.exceptions.RayActorError)]
+        if died or errors:
+            raise (died or errors)[0]
+        return dict(running[0].result())
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, AgentFlowError | OSError):
