@@ -83,8 +83,8 @@ _LINGER_S = 0.05
 # How long a write nobody waits on at once may wait for others to share its batch
 # (`GroupCommit.submit(gather=True)`): a white-box episode's turns. Far below an
 # episode's length, and it saves a statement per write that would otherwise go alone.
-# (`create_episode` and `complete_episode` take `gather=` too; the run executor does not
-# use it: a run's last episodes then ended after the trainer's last version was due.)
+# (Episode creates and ends do not gather: with the run executor's gathering, a run's
+# last episodes could end before its trainer's last version was published.)
 _GATHER_S = 0.02
 
 
@@ -190,10 +190,7 @@ class TurnTree:
         group_id: str | None = None,
         status: EpisodeStatus = "running",
         episode_id: uuid.UUID | None = None,
-        gather: bool = False,
     ) -> uuid.UUID:
-        """A new episode's id, once its row is committed. `gather`: the write may wait a
-        moment for others to share its batch (a run's executor; not an API call)."""
         if status not in OPEN_EPISODE_STATUSES:
             raise InvalidInput(
                 f"a new episode is {' or '.join(sorted(OPEN_EPISODE_STATUSES))}", field="status"
@@ -215,7 +212,7 @@ class TurnTree:
             "status": status,
             "created_at": datetime.now(UTC),
         }
-        await self._episode_creates.add(row, gather=gather)
+        await self._episode_creates.add(row)
         return episode_id
 
     async def _create_episodes(self, rows: Sequence[dict[str, Any]]) -> list[None]:
@@ -492,7 +489,6 @@ class TurnTree:
         leaf_rewards: Mapping[uuid.UUID, float] | None = None,
         error: str | None = None,
         turns: Sequence[NewTurn] = (),
-        gather: bool = False,
     ) -> list[uuid.UUID]:
         """Finish an episode and create its trajectories, atomically and only once.
 
@@ -500,8 +496,7 @@ class TurnTree:
         `completed` or `truncated` episode gets one `ready` trajectory per turn in
         `leaf_turn_ids` (default: every leaf), rewarded `leaf_rewards[leaf]` or else
         `reward`; `failed` and `aborted` episodes get none. Returns the trajectory ids.
-        Raises `Conflict` if the episode is already finished. `gather`: the write may
-        wait a moment for other ends to share its transaction (a run's executor).
+        Raises `Conflict` if the episode is already finished.
         """
         if status not in FINAL_EPISODE_STATUSES:
             raise InvalidInput(
@@ -520,8 +515,7 @@ class TurnTree:
             raise InvalidInput("leaf_turn_ids has repeats", field="leaf_turn_ids")
 
         return await self._episode_ends.add(
-            _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns),
-            gather=gather,
+            _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns)
         )
 
     @contextlib.asynccontextmanager
