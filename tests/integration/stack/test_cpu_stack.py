@@ -24,7 +24,8 @@ from agentflow.stack import PROJECT_LABEL, Stack
 from sandbox.docker_backend import LABEL as SANDBOX_LABEL
 from tests.integration.test_serve import _free_port
 
-pytestmark = pytest.mark.integration
+# The first stack test's setup builds the images: 15 minutes or more on a loaded machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 20  # enough that the kill lands mid-run: a tiny model's steps take well under a second
