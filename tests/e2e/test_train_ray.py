@@ -25,7 +25,8 @@ from tests.support.processes import TAG_ENV, tagged
 
 pytest.importorskip("ray")
 
-pytestmark = pytest.mark.integration
+# Its own deadlines (a third step, then the restarted ranks) come before the suite's.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 STEPS = 6
 
