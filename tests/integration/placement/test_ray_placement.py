@@ -124,12 +124,15 @@ async def test_killing_an_engine_actor_mid_run_loses_no_episode(
     victim = pool.engines()[0]
     assert isinstance(victim, RayEngine)
 
-    async def holds_sessions() -> bool:
-        # Killed while live episodes have sessions on it, so the kill takes some with it
-        # (between groups an engine can hold none for a moment: a kill then loses nothing).
-        return (await victim.info()).sessions >= 2
+    async def generating() -> bool:
+        # Killed while live episodes have sessions on it and one of them is generating,
+        # so the kill takes a request with it: between groups an engine can hold no
+        # session for a moment, and sessions whose episodes are in their last env step
+        # end without another request (a kill then loses nothing).
+        info = await victim.info()
+        return info.sessions >= 2 and info.running >= 1
 
-    await until(holds_sessions)
+    await until(generating)
     ray.kill(victim.actor, no_restart=True)
 
     async def replacement_served() -> bool:
