@@ -246,7 +246,7 @@ async def _train_once(config: RunConfig, gateway: str, host: str) -> dict[str, A
                 late.cancel()  # its actor is killed below
         errors = [e for f in answered if (e := f.exception()) is not None]
         died = [e for e in errors if isinstance(e, ray.exceptions.RayActorError)]
-        if died or errors:
+        if errors:  # a dead actor first: it restarts the ranks
             raise (died or errors)[0]
         return dict(running[0].result())
     except ray.exceptions.RayTaskError as exc:
