@@ -20,7 +20,9 @@ from agentflow.types import StoredTurn, TurnRecord
 class TurnTreeRecorder:
     """Appends an episode's turns under `parent` (None: a new root). At most `window`
     writes may be outstanding; a failed write fails the episode at the next record or at
-    the end.
+    the end. Once half the window is outstanding and nothing but this episode's writes is
+    queued (no other episode to share a batch with), they are written at once, so that a
+    fast episode's next turns overlap the write instead of stalling on a full window.
 
     A policy turn is held back until the env's answer to it is recorded, or `hold_s` has
     passed, whichever comes first, so that a fast env's turn and the reply before it go
@@ -33,7 +35,7 @@ class TurnTreeRecorder:
         episode_id: uuid.UUID,
         *,
         parent: uuid.UUID | None = None,
-        window: int = 4,
+        window: int = 16,
         hold_s: float = 0.05,
     ) -> None:
         self.turns = turns
@@ -58,6 +60,8 @@ class TurnTreeRecorder:
             self._held_until = asyncio.get_running_loop().call_later(self.hold_s, self._submit_held)
         else:
             self._submit(record)
+        if len(self.pending) >= self.window // 2:
+            self.turns.hurry_turns(at_most=len(self.pending))
 
     def _submit(self, record: TurnRecord) -> None:
         turn_id, committed = self.turns.submit_turn(self.episode_id, self.last, record)

@@ -16,10 +16,10 @@ class QueuedTurns:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[float, uuid.UUID | None, str]] = []
-        self.hurried = 0  # how often the recorder said it waits on its writes
+        self.forced = 0  # how often the recorder said it waits on its writes, come what may
 
     def hurry_turns(self, *, at_most: int | None = None) -> None:
-        self.hurried += 1
+        self.forced += at_most is None
         self.at_most = at_most
 
     def submit_turn(
@@ -120,10 +120,11 @@ async def test_a_full_window_hurries_the_writes_it_waits_on() -> None:
     loop = asyncio.get_running_loop()
     await rec.record(ENV)
     await rec.record(ENV)
-    assert turns.hurried == 0  # two writes outstanding: the loop goes on
+    # Two writes outstanding among others' writes: the loop goes on, they keep gathering.
+    assert len(turns.unwritten) == 2 and turns.forced == 0
     started = loop.time()
     await asyncio.wait_for(rec.record(ENV), 5)  # the window is full: it waits, hurried
-    assert turns.hurried == 1 and loop.time() - started < turns.gather_s
+    assert turns.forced == 1 and loop.time() - started < turns.gather_s
     started = loop.time()
     await asyncio.wait_for(rec.settle(), 5)
     assert loop.time() - started >= turns.gather_s * 0.9  # others' writes queued
@@ -135,3 +136,23 @@ async def test_a_full_window_hurries_the_writes_it_waits_on() -> None:
     started = loop.time()
     await asyncio.wait_for(rec.settle(), 5)
     assert loop.time() - started < alone.gather_s  # nothing else queued: hurried
+
+
+async def test_half_a_window_alone_is_written_while_the_episode_goes_on() -> None:
+    """A fast episode alone: once half its window is outstanding, its writes go at once,
+    so its next turns overlap the write instead of waiting on a full window. Among other
+    episodes' writes they keep gathering."""
+    alone = GatheringTurns()
+    rec = recorder(alone, window=4)
+    await rec.record(ENV)
+    assert len(alone.unwritten) == 1  # gathering
+    await rec.record(ENV)  # half the window: written now, and the loop did not wait
+    assert not alone.unwritten and all(write.done() for write in rec.pending)
+    assert alone.forced == 0
+
+    among_others = GatheringTurns()
+    among_others.queued_by_others = 3
+    rec = recorder(among_others, window=4)
+    await rec.record(ENV)
+    await rec.record(ENV)
+    assert len(among_others.unwritten) == 2 and among_others.at_most == 2
