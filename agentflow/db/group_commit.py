@@ -89,7 +89,8 @@ class GroupCommit(Generic[Item, Result]):
         self._linger_s = linger_s
         self._gather_s = gather_s
         self._on_idle = on_idle
-        self._pending: list[tuple[Item, asyncio.Future[Result]]] = []
+        # Each queued call: its item, its future, and when it was submitted (loop time).
+        self._pending: list[tuple[Item, asyncio.Future[Result], float]] = []
         self._due = math.inf  # loop time by which what is queued must be written
         self._hurry: asyncio.Future[bool] | None = None  # set while the drain gathers
         self._draining = False  # a drain task takes what is queued (or lingers for it)
@@ -109,8 +110,7 @@ class GroupCommit(Generic[Item, Result]):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         submitted = loop.time()
-        future.add_done_callback(lambda _: self.waits.add(loop.time() - submitted))
-        self._pending.append((item, future))
+        self._pending.append((item, future, submitted))
         due = submitted + self._gather_s if gather else submitted
         if due < self._due or len(self._pending) >= self._max_batch:
             self._due = min(self._due, due)
@@ -134,7 +134,7 @@ class GroupCommit(Generic[Item, Result]):
         return await self.submit(item)
 
     async def _drain(self) -> None:
-        batch: list[tuple[Item, asyncio.Future[Result]]] = []
+        batch: list[tuple[Item, asyncio.Future[Result], float]] = []
         try:
             while True:
                 while self._pending:
@@ -151,7 +151,7 @@ class GroupCommit(Generic[Item, Result]):
             self._draining = False  # from here a submit starts a new drain
         except BaseException:  # cancelled (the loop is closing): no caller may wait forever
             self._draining = False
-            for _, future in batch + self._pending:
+            for _, future, _ in batch + self._pending:
                 future.cancel()
             self._pending.clear()
             self._due = math.inf
@@ -187,20 +187,25 @@ class GroupCommit(Generic[Item, Result]):
             timer.cancel()
             self._more = None
 
-    async def _write(self, batch: list[tuple[Item, asyncio.Future[Result]]]) -> None:
+    async def _write(self, batch: list[tuple[Item, asyncio.Future[Result], float]]) -> None:
         try:
-            results = await self._write_batch([item for item, _ in batch])
+            results: Sequence[Result | BaseException] = await self._write_batch(
+                [item for item, _, _ in batch]
+            )
         except Exception as exc:
-            if len(batch) == 1:
-                _settle(batch[0][1], exc)
+            if len(batch) > 1:
+                for entry in batch:  # find whose item failed; earlier items still go first
+                    await self._write([entry])
                 return
-            for entry in batch:  # find whose item failed; earlier items still go first
-                await self._write([entry])
-            return
+            results = [exc]
         if len(results) != len(batch):
             raise AssertionError(f"a batch of {len(batch)} got {len(results)} results")
-        for (_, future), result in zip(batch, results, strict=True):
+        # Timed here, not by a callback on each future: a callback is one more event-loop
+        # handle per call, and the wait is the same.
+        now = asyncio.get_running_loop().time()
+        for (_, future, submitted), result in zip(batch, results, strict=True):
             _settle(future, result)
+            self.waits.add(now - submitted)
 
 
 def _wake(waiting: asyncio.Future[bool] | None) -> None:
