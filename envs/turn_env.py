@@ -101,7 +101,9 @@ class TurnEnv(ABC):
             )
         self.turns += 1
         try:
-            outcome = await asyncio.wait_for(self._turn(action), timeout_s)
+            # A timeout in this task, not `wait_for`'s task per step (Python 3.11).
+            async with asyncio.timeout(timeout_s):
+                outcome = await self._turn(action)
         except TimeoutError:
             self._done = True
             raise StepTimeout(f"step did not finish within {timeout_s} s") from None

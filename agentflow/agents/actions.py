@@ -115,37 +115,48 @@ class SampledActions:
             timings={"queue": queue, "generate": wall - queue},
         )
 
-    @contextlib.asynccontextmanager
-    async def waiting(self) -> AsyncIterator[EnvWait]:
+    def waiting(self) -> _Parking:
         """Park the session if the env takes longer than `park_after_s`."""
-        wait = _Wait()
-        if self.park_after_s is None:
-            yield wait
+        return _Parking(self)
+
+
+class _Parking:
+    """`SampledActions.waiting`: entered once per env step, so a class rather than a
+    generator-based context manager (less work per step)."""
+
+    def __init__(self, actions: SampledActions) -> None:
+        self.actions = actions
+        self.wait = _Wait()
+        self.timer: asyncio.TimerHandle | None = None
+        self.parked_at: float | None = None
+        self.parking: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _Wait:
+        after_s = self.actions.park_after_s
+        if after_s is not None:
+            # A timer, not a task per wait: most env steps end long before it fires.
+            self.timer = asyncio.get_running_loop().call_later(after_s, self._park)
+        return self.wait
+
+    def _park(self) -> None:
+        self.parked_at = time.perf_counter()
+        if self.actions.metrics is not None:
+            self.actions.metrics.parked_sessions.inc()
+        self.parking = asyncio.create_task(self.actions._park())
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.timer is None:
             return
-        parked_at: list[float] = []
-        parking: list[asyncio.Task[None]] = []
-
-        def park() -> None:
-            parked_at.append(time.perf_counter())
-            if self.metrics is not None:
-                self.metrics.parked_sessions.inc()
-            parking.append(asyncio.create_task(self._park()))
-
-        # A timer, not a task per wait: most env steps end long before it fires.
-        timer = asyncio.get_running_loop().call_later(self.park_after_s, park)
-        try:
-            yield wait
-        finally:
-            ended = time.perf_counter()
-            timer.cancel()
-            for task in parking:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            if parked_at:
-                wait.parked_s = ended - parked_at[0]
-                if self.metrics is not None:
-                    self.metrics.parked_sessions.dec()
+        ended = time.perf_counter()
+        self.timer.cancel()
+        if self.parking is not None:
+            self.parking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.parking
+        if self.parked_at is not None:
+            self.wait.parked_s = ended - self.parked_at
+            if self.actions.metrics is not None:
+                self.actions.metrics.parked_sessions.dec()
 
 
 class ScriptedActions:
