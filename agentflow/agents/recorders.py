@@ -18,11 +18,16 @@ from agentflow.types import StoredTurn, TurnRecord
 
 
 class TurnTreeRecorder:
-    """Appends an episode's turns under `parent` (None: a new root). At most `window`
-    writes may be outstanding; a failed write fails the episode at the next record or at
-    the end. Once half the window is outstanding and nothing but this episode's writes is
-    queued (no other episode to share a batch with), they are written at once, so that a
-    fast episode's next turns overlap the write instead of stalling on a full window.
+    """Appends an episode's turns under `parent` (None: a new root). A failed write fails
+    the episode at the next record or at the end.
+
+    How many writes may be outstanding before the loop waits on the oldest: `window`
+    while nothing but this episode's writes is queued, and `shared_window` while other
+    episodes' writes are queued too. Alone, a fast episode's writes go at once when half
+    its window is outstanding, so its next turns overlap the write instead of stalling on
+    a full window. Among others, the small window is the writer's backpressure: when the
+    database falls behind, each episode stops after a few unwritten turns, which bounds
+    the queue (and the memory it holds) at a few turns per live episode.
 
     A policy turn is held back until the env's answer to it is recorded, or `hold_s` has
     passed, whichever comes first, so that a fast env's turn and the reply before it go
@@ -36,19 +41,24 @@ class TurnTreeRecorder:
         *,
         parent: uuid.UUID | None = None,
         window: int = 16,
+        shared_window: int = 4,
         hold_s: float = 0.05,
     ) -> None:
         self.turns = turns
         self.episode_id = episode_id
         self.last: uuid.UUID | None = parent  # the newest turn submitted
         self.window = window
+        self.shared_window = min(shared_window, window)
         self.hold_s = hold_s
         self.pending: list[asyncio.Future[None]] = []
         self._held: TurnRecord | None = None
         self._held_until: asyncio.TimerHandle | None = None
 
     async def record(self, record: TurnRecord) -> None:
-        if len(self.pending) >= self.window:
+        outstanding = len(self.pending)
+        if outstanding >= self.window or (
+            outstanding >= self.shared_window and self.turns.turns_queued > outstanding
+        ):
             self.turns.hurry_turns()  # waited on now: not worth gathering for
             # Shielded: a cancel must not cancel the write itself, which `settle` awaits.
             await asyncio.shield(self.pending[0])

@@ -293,6 +293,11 @@ class TurnTree:
         }
 
     @property
+    def turns_queued(self) -> int:
+        """Turn writes waiting for a batch (the one being written not counted)."""
+        return self._turn_writes.queued
+
+    @property
     def queued_writes(self) -> dict[str, int]:
         """Writes waiting for their group commit, by kind (the batches under way not counted)."""
         return {

@@ -18,6 +18,10 @@ class QueuedTurns:
         self.submitted: list[tuple[float, uuid.UUID | None, str]] = []
         self.forced = 0  # how often the recorder said it waits on its writes, come what may
 
+    @property
+    def turns_queued(self) -> int:
+        return 0  # every write commits at once: nothing waits for a batch
+
     def hurry_turns(self, *, at_most: int | None = None) -> None:
         self.forced += at_most is None
         self.at_most = at_most
@@ -101,6 +105,10 @@ class GatheringTurns(QueuedTurns):
 
     queued_by_others = 0
 
+    @property
+    def turns_queued(self) -> int:
+        return len(self.unwritten) + self.queued_by_others
+
     def hurry_turns(self, *, at_most: int | None = None) -> None:
         super().hurry_turns(at_most=at_most)
         if at_most is not None and len(self.unwritten) + self.queued_by_others > at_most:
@@ -156,3 +164,24 @@ async def test_half_a_window_alone_is_written_while_the_episode_goes_on() -> Non
     await rec.record(ENV)
     await rec.record(ENV)
     assert len(among_others.unwritten) == 2 and among_others.at_most == 2
+
+
+async def test_among_other_episodes_writes_the_small_window_holds() -> None:
+    """A writer that falls behind holds every episode to `shared_window` unwritten
+    writes, not its whole window: the queue stays a few turns per episode."""
+    turns = GatheringTurns()
+    turns.queued_by_others = 100
+    rec = recorder(turns, window=16, shared_window=4)
+    loop = asyncio.get_running_loop()
+    for _ in range(4):
+        await rec.record(ENV)
+    assert turns.forced == 0 and len(turns.unwritten) == 4
+    started = loop.time()
+    await asyncio.wait_for(rec.record(ENV), 5)  # the fifth waits on the oldest, hurried
+    assert turns.forced == 1 and loop.time() - started < turns.gather_s
+
+    alone = GatheringTurns()
+    rec = recorder(alone, window=16, shared_window=4)
+    for _ in range(8):
+        await rec.record(ENV)
+    assert alone.forced == 0  # alone: half the window went at once, nobody waited
