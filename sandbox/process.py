@@ -20,6 +20,8 @@ from sandbox.base import SandboxError
 _CHUNK = 1 << 16
 # After a kill, how long the pipes may take to reach EOF before readers are abandoned.
 _DRAIN_GRACE_S = 5.0
+# How long a kill waits for the leader to stop before it takes the tree down.
+_STOP_WAIT_S = 0.5
 
 
 @dataclass
@@ -71,11 +73,67 @@ async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
 def _kill(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is not None:
         return
-    # Our child leads its own session (start_new_session): take the group down with it.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # Our child leads its own session (start_new_session): take the group down with it,
+    # and first the children that left the group. bwrap's namespace init does (it starts
+    # a session of its own), and it follows its parent only once it has set its parent-
+    # death signal: a bwrap killed before then would leave it, and the command, running.
+    # So the leader is stopped (it can start no more children), its children are killed,
+    # then the group. Not proc.kill(): it polls first, and a leader the group kill just
+    # ended would be reaped there, behind the back of asyncio's child watcher.
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        return
+    _wait_stopped(proc.pid)
+    for child in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child, signal.SIGKILL)  # when it leads a group (its own session)
     with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name (state, ppid, ...); [] when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except OSError:
+        return []
+    return raw[raw.rfind(b")") + 2 :].decode().split()
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until `pid` has stopped (a signal lands on the way back to user space, so an
+    unfinished fork completes first); bounded, it is about to be killed anyway."""
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while time.monotonic() < deadline:
+        fields = _stat_fields(pid)
+        if not fields or fields[0] in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.0005)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a scan of /proc: the kernel's own children
+    list is an optional build option)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat_fields(name)
+            if len(fields) > 1 and fields[1] == str(pid):
+                found.append(int(name))
+    return found
+
+
+def _kill_spawned(spawning: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    if not spawning.cancelled() and spawning.exception() is None:
+        _kill(spawning.result())
 
 
 async def run_captured(
@@ -92,8 +150,8 @@ async def run_captured(
     overflow = asyncio.Event()
     out, err = _Capture(max_output_bytes, overflow), _Capture(max_output_bytes, overflow)
     start = time.monotonic()
-    try:
-        proc = await asyncio.create_subprocess_exec(
+    spawning = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -104,6 +162,17 @@ async def run_captured(
             start_new_session=True,
             close_fds=True,
         )
+    )
+    try:
+        proc = await asyncio.shield(spawning)
+    except asyncio.CancelledError:
+        # asyncio's own clean-up of a start cancelled half way kills the leader alone,
+        # then waits for its pipes to close: a process of its group that outlived it
+        # (bwrap's namespace init, when the leader died before it could take it along)
+        # holds them open for ever. So the start runs to its end, then the whole group
+        # goes, and the caller's cancellation is not held up meanwhile.
+        spawning.add_done_callback(_kill_spawned)
+        raise
     except (OSError, subprocess.SubprocessError) as exc:
         raise SandboxError(f"could not start {argv[0]!r}: {exc}") from exc
 

@@ -54,6 +54,23 @@ async def test_cancelled_exec_leaves_nothing_running(make_sandbox):
     assert sandbox_processes(sb.workdir) == [] and sandbox_processes(sb.id) == []
 
 
+async def test_an_exec_cancelled_while_it_starts_ends_at_once_and_leaves_nothing(make_sandbox):
+    # Cancelled a few loop turns in: inside asyncio's start of bwrap, whose own clean-up
+    # could wait for ever on pipes that bwrap's orphaned namespace init held open.
+    sb = make_sandbox()
+    for turns in (0, 1, 2, 3, 4, 6, 8, 12) * 2:
+        task = asyncio.create_task(sb.exec("sleep 30"))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    async with asyncio.timeout(10):
+        while sandbox_processes(sb.workdir) or sandbox_processes(sb.id):
+            await asyncio.sleep(0.05)
+
+
 async def test_reset_empties_the_work_dir_and_close_is_final():
     sb = open_sandbox("bwrap")
     await sb.write_file("a/b.txt", "x")
