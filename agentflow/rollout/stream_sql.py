@@ -135,7 +135,14 @@ def _candidates(*, fresh: bool, bounded: bool) -> Select:
     )
     query = select(rows).where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
     if fresh:
-        return query.order_by(rows.c.created_at, rows.c.id)
+        # The oldest policy first (then the earliest ended): a group that finishes after
+        # younger ones overtook it is the next to age past the bound, so it goes first.
+        return query.order_by(
+            rows.c.min_weight_version.is_(None),
+            rows.c.min_weight_version,
+            rows.c.created_at,
+            rows.c.id,
+        )
     # The least replayed first, then the most recent (closest to the policy).
     return query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
 

@@ -131,6 +131,7 @@ async def test_added_removed_and_reweighted_envs_apply_to_the_next_groups(
     assert {e["id"]: e["weight"] for e in reweighted.envs} == {B: 3.0, A: 1.0}
     assert {e["id"]: e["max_concurrency"] for e in reweighted.envs}[B] == 4
     reweighted_at = reweighted.env_revisions[-1].created_at
+
     async def groups_reweighted(n: int) -> bool:
         return len(_groups(await _episodes(api, run.id), after=reweighted_at)) >= n
 
