@@ -167,10 +167,10 @@ async def run_captured(
         proc = await asyncio.shield(spawning)
     except asyncio.CancelledError:
         # asyncio's own clean-up of a start cancelled half way kills the leader alone,
-        # then waits for its pipes to close: a process of its group that outlived it
-        # (bwrap's namespace init, when the leader died before it could take it along)
-        # holds them open for ever. So the start runs to its end, then the whole group
-        # goes, and the caller's cancellation is not held up meanwhile.
+        # then waits for its pipes to close: a child that outlived it (bwrap's namespace
+        # init, in a session of its own, when the leader died before it could take it
+        # along) holds them open for ever. So the start runs to its end, then the whole
+        # tree goes (`_kill`), and the caller's cancellation is not held up meanwhile.
         spawning.add_done_callback(_kill_spawned)
         raise
     except (OSError, subprocess.SubprocessError) as exc:
