@@ -57,7 +57,7 @@ async def test_a_connection_the_server_closed_is_replaced(pg_database: str, idle
         await engine.dispose()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 300])
 async def test_an_insert_writes_every_row_or_none(pg_database: str, rows: int) -> None:
     """Up to eight rows go as one statement, more as executemany: every row lands with
     its values either way, and a batch with a refused row writes nothing."""

@@ -145,6 +145,33 @@ async def test_completion_makes_one_trajectory_per_leaf(turn_tree: TurnTree) -> 
         await turn_tree.trajectory(uuid.uuid4())
 
 
+async def test_a_long_batch_lands_whole_and_a_finished_episode_refuses_it(
+    turn_tree: TurnTree,
+) -> None:
+    # Hundreds of rows, as a saturated controller's group commit writes them.
+    episode = await turn_tree.create_episode()
+    batch, parent = [], None
+    for n in range(150):
+        record = answer(n, n, n + 1) if n % 2 else observation(n)
+        turn = NewTurn(episode_id=episode, parent_id=parent, record=record)
+        batch.append(turn)
+        parent = turn.id
+    assert await turn_tree.add_turns(batch) == [t.id for t in batch]
+    path = await turn_tree.path(batch[-1].id)
+    assert [t.token_ids for t in path] == [t.record.token_ids for t in batch]
+    assert list(path[-1].logprobs or ()) == [-0.5, -0.5]
+    assert list(path[-1].weight_versions or ()) == [149, 149]
+
+    await turn_tree.complete_episode(episode, "completed", 1.0)
+    more, parent = [], batch[-1].id
+    for n in range(100):
+        more.append(NewTurn(episode_id=episode, parent_id=parent, record=observation(n)))
+        parent = more[-1].id
+    with pytest.raises(Conflict, match="no more turns"):
+        await turn_tree.add_turns(more)
+    assert len(await turn_tree.path(batch[-1].id)) == 150
+
+
 async def test_chosen_leaves_and_untrainable_endings(turn_tree: TurnTree) -> None:
     episode = await turn_tree.create_episode()
     root = await turn_tree.add_turn(episode, None, prompt())
