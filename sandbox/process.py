@@ -122,11 +122,12 @@ def _wait_stopped(pid: int) -> None:
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (a scan of /proc: the kernel's own children
     list is an optional build option)."""
+    parent = str(pid)
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             fields = _stat_fields(name)
-            if len(fields) > 1 and fields[1] == str(pid):
+            if len(fields) > 1 and fields[1] == parent:
                 found.append(int(name))
     return found
 

@@ -137,12 +137,7 @@ def _candidates(*, fresh: bool, bounded: bool) -> Select:
     if fresh:
         # The oldest policy first (then the earliest ended): a group that finishes after
         # younger ones overtook it is the next to age past the bound, so it goes first.
-        return query.order_by(
-            rows.c.min_weight_version.is_(None),
-            rows.c.min_weight_version,
-            rows.c.created_at,
-            rows.c.id,
-        )
+        return query.order_by(rows.c.min_weight_version.nulls_last(), rows.c.created_at, rows.c.id)
     # The least replayed first, then the most recent (closest to the policy).
     return query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
 
