@@ -129,9 +129,9 @@ class GroupCommit(Generic[Item, Result]):
             self._due = -math.inf
             _wake(self._hurry)
 
-    async def add(self, item: Item) -> Result:
+    async def add(self, item: Item, *, gather: bool = False) -> Result:
         """Write `item`; its result once committed, or its own error."""
-        return await self.submit(item)
+        return await self.submit(item, gather=gather)
 
     async def _drain(self) -> None:
         batch: list[tuple[Item, asyncio.Future[Result], float]] = []

@@ -263,6 +263,47 @@ _PATH_QUERIES = {
 }
 
 
+def _episode_turns_query(columns: Sequence[str]) -> Select[Any]:
+    """Every turn of the episodes bound to `ids` (each turn's id, parent and `columns`)."""
+    names = dict.fromkeys(("id", "parent_id", *columns))
+    return select(*(turns.c[name] for name in names)).where(
+        turns.c.episode_id.in_(bindparam("ids", expanding=True))
+    )
+
+
+_EPISODE_TURNS_QUERIES: dict[tuple[str, ...], Select[Any]] = {
+    columns: _episode_turns_query(columns) for columns in (CONTEXT_COLUMNS, TRAJECTORY_COLUMNS)
+}
+
+
+async def episode_paths(
+    session: AsyncSession, leaves: Mapping[uuid.UUID, uuid.UUID], columns: Sequence[str]
+) -> dict[uuid.UUID, list[Any]]:
+    """The root-first path of each leaf turn in `leaves` (leaf id -> its episode id), from
+    its episode's turns, read by the episode index and linked here: a path never leaves
+    its episode. For many leaves at once (a trainer's lease), where the recursive query
+    of `paths` can be planned as a hash join over a scan of the whole turns table, whose
+    cost grows with every turn the run has written (`bench/trajectory_paths.py`).
+    Unknown leaves are absent."""
+    query = _EPISODE_TURNS_QUERIES[tuple(columns)]
+    conn = await session.connection()
+    by_id: dict[uuid.UUID, Any] = {}
+    for chunk in chunks(list(dict.fromkeys(leaves.values()))):
+        for row in await conn.execute(query, {"ids": list(chunk)}):
+            by_id[row.id] = row
+    found: dict[uuid.UUID, list[Any]] = {}
+    for leaf in leaves:
+        path = []
+        turn = by_id.get(leaf)
+        while turn is not None:
+            path.append(turn)
+            turn = None if turn.parent_id is None else by_id.get(turn.parent_id)
+        if path:
+            path.reverse()
+            found[leaf] = path
+    return found
+
+
 async def paths(
     session: AsyncSession, turn_ids: Sequence[uuid.UUID], columns: Sequence[str]
 ) -> dict[uuid.UUID, list[Any]]:

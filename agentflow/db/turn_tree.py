@@ -83,8 +83,8 @@ _LINGER_S = 0.05
 # How long a write nobody waits on at once may wait for others to share its batch
 # (`GroupCommit.submit(gather=True)`): a white-box episode's turns. Far below an
 # episode's length, and it saves a statement per write that would otherwise go alone.
-# (Episode creates and ends do not gather: with the run executor's gathering, a run's
-# last episodes could end before its trainer's last version was published.)
+# A run executor's episode creates and ends gather too (`gather=True`); an API call's
+# do not, someone waits on them.
 _GATHER_S = 0.02
 
 
@@ -190,7 +190,10 @@ class TurnTree:
         group_id: str | None = None,
         status: EpisodeStatus = "running",
         episode_id: uuid.UUID | None = None,
+        gather: bool = False,
     ) -> uuid.UUID:
+        """A new episode's id, once its row is committed. `gather`: the write may wait a
+        moment for others to share its batch (a run's executor; not an API call)."""
         if status not in OPEN_EPISODE_STATUSES:
             raise InvalidInput(
                 f"a new episode is {' or '.join(sorted(OPEN_EPISODE_STATUSES))}", field="status"
@@ -212,7 +215,7 @@ class TurnTree:
             "status": status,
             "created_at": datetime.now(UTC),
         }
-        await self._episode_creates.add(row)
+        await self._episode_creates.add(row, gather=gather)
         return episode_id
 
     async def _create_episodes(self, rows: Sequence[dict[str, Any]]) -> list[None]:
@@ -494,6 +497,7 @@ class TurnTree:
         leaf_rewards: Mapping[uuid.UUID, float] | None = None,
         error: str | None = None,
         turns: Sequence[NewTurn] = (),
+        gather: bool = False,
     ) -> list[uuid.UUID]:
         """Finish an episode and create its trajectories, atomically and only once.
 
@@ -501,7 +505,8 @@ class TurnTree:
         `completed` or `truncated` episode gets one `ready` trajectory per turn in
         `leaf_turn_ids` (default: every leaf), rewarded `leaf_rewards[leaf]` or else
         `reward`; `failed` and `aborted` episodes get none. Returns the trajectory ids.
-        Raises `Conflict` if the episode is already finished.
+        Raises `Conflict` if the episode is already finished. `gather`: the write may
+        wait a moment for other ends to share its transaction (a run's executor).
         """
         if status not in FINAL_EPISODE_STATUSES:
             raise InvalidInput(
@@ -520,7 +525,8 @@ class TurnTree:
             raise InvalidInput("leaf_turn_ids has repeats", field="leaf_turn_ids")
 
         return await self._episode_ends.add(
-            _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns)
+            _EpisodeEnd(episode_id, status, reward, leaf_turn_ids, rewards, error, turns),
+            gather=gather,
         )
 
     @contextlib.asynccontextmanager
@@ -651,11 +657,13 @@ class TurnTree:
             missing = [t for t in unique if t not in found]
             if missing:
                 raise NotFound(f"trajectory {missing[0]} not found")
-            leaves = turn_rows.ids_in_order([found[t].leaf_turn_id for t in unique])
-            paths = await turn_sql.paths(session, leaves, turn_sql.TRAJECTORY_COLUMNS)
+            leaves = {found[t].leaf_turn_id: found[t].episode_id for t in unique}
+            paths = await turn_sql.episode_paths(session, leaves, turn_sql.TRAJECTORY_COLUMNS)
         built: dict[uuid.UUID, TrajectoryView] = {}
         for tid in unique:
             row = found[tid]
+            if row.leaf_turn_id not in paths:  # the schema's foreign key rules it out
+                raise NotFound(f"leaf turn {row.leaf_turn_id} of trajectory {tid} not found")
             context = turn_rows.context_from_path(paths[row.leaf_turn_id])
             built[tid] = TrajectoryView(
                 id=row.id,

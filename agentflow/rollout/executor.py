@@ -388,6 +388,7 @@ class RunExecutor:
                 env_ref=source.ref,
                 task=task,
                 group_id=group_id,
+                gather=True,
             )
             if self._ending:
                 outcome = EpisodeOutcome("aborted", None, self._stop_reason or "run stopped")
@@ -537,6 +538,7 @@ class RunExecutor:
                         leaf_turn_ids=outcome.leaf_turn_ids,
                         leaf_rewards=outcome.leaf_rewards,
                         error=outcome.error,
+                        gather=True,
                     )
                 )
             except Conflict:  # finished already: a black-box callback, or our lost answer
