@@ -2,11 +2,13 @@
 
 A turn appends a segment of tokens to its parent's context; the context of any turn is
 rebuilt in one query (a recursive CTE walking parent links, which both PostgreSQL and
-SQLite run). Rollouts write thousands of turns and hundreds of episodes a second, so
-writes are group commits (`agentflow.db.group_commit`): concurrent turns, episode creates
-and episode ends each share one batch, written with one executemany per statement, never
-the ORM unit of work; on PostgreSQL the batches go straight to asyncpg's prepared
-statements (`turn_sql`, `episode_sql`), elsewhere through SQLAlchemy Core.
+SQLite run); a lease's many trajectories read their episodes' turns by the episode index
+instead and link each path in Python (`turn_sql.episode_paths`). Rollouts write
+thousands of turns and hundreds of episodes a second, so writes are group commits
+(`agentflow.db.group_commit`): concurrent turns, episode creates and episode ends each
+share one batch, written with one executemany per statement, never the ORM unit of work;
+on PostgreSQL the batches go straight to asyncpg's prepared statements (`turn_sql`,
+`episode_sql`), elsewhere through SQLAlchemy Core.
 
 Consistency rules, enforced here on both databases:
 - a parent exists before its child and belongs to the same episode; depth = parent + 1;
