@@ -177,7 +177,10 @@ async def test_env_servers_as_actors_serve_the_episodes_and_are_replaced(
     async def both_served() -> bool:
         async with httpx.AsyncClient() as http:
             for url in urls:
-                health = (await http.get(f"{url}/healthz")).json()
+                try:
+                    health = (await http.get(f"{url}/healthz")).json()
+                except httpx.TimeoutException:  # a loaded machine: ask again, until's bound
+                    return False
                 seen[url] = max(seen[url], health["sessions"])
         return all(seen.values())
 

@@ -50,10 +50,11 @@ async def test_pull_leases_whole_finished_groups_oldest_first(turn_tree: TurnTre
 async def test_an_expired_lease_is_served_again(turn_tree: TurnTree) -> None:
     run = await make_run(turn_tree)
     await finished_group(turn_tree, run, 2)
-    stream = _stream(turn_tree, run, lease_s=0.2)
+    # Seconds: a loaded machine can take longer than a short lease between two pulls.
+    stream = _stream(turn_tree, run, lease_s=2.0)
     first = await stream.pull(10)
     assert len(first) == 2 and await stream.pull(10) == []
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(2.1)
     again = await stream.pull(10)
     assert {t.id for t in again} == {t.id for t in first}
     assert again[0].lease_id != first[0].lease_id
