@@ -27,6 +27,10 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentflow.db.turn_tree import TurnTree
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
@@ -36,12 +40,10 @@ from tests.support.scratch_db import DEFAULT_ADMIN_URL, scratch_database  # noqa
 _BATCH = 250  # episodes written per round of group commits
 
 
-async def _fill(turns: object, run_id: uuid.UUID, episodes: int, depth: int) -> list[uuid.UUID]:
+async def _fill(turns: TurnTree, run_id: uuid.UUID, episodes: int, depth: int) -> list[uuid.UUID]:
     """`episodes` finished episodes of `depth` turns each; their leaves."""
-    from agentflow.db.turn_tree import TurnTree
     from agentflow.types import NewTurn, TurnRecord
 
-    assert isinstance(turns, TurnTree)
     rng = random.Random(episodes)
     leaves: list[uuid.UUID] = []
     for start in range(0, episodes, _BATCH):
@@ -49,7 +51,7 @@ async def _fill(turns: object, run_id: uuid.UUID, episodes: int, depth: int) -> 
         ids = await asyncio.gather(
             *(turns.create_episode(run_id=run_id, env_ref="bench/x") for _ in range(n))
         )
-        parents: dict[uuid.UUID, uuid.UUID | None] = dict.fromkeys(ids)
+        parents: dict[uuid.UUID, uuid.UUID] = {}
         for level in range(depth):
             batch = []
             for episode in ids:
@@ -65,26 +67,24 @@ async def _fill(turns: object, run_id: uuid.UUID, episodes: int, depth: int) -> 
                     )
                 else:
                     record = TurnRecord(kind="env", token_ids=tuple(range(12)), reward=0.0)
-                turn = NewTurn(episode_id=episode, parent_id=parents[episode], record=record)
+                turn = NewTurn(episode_id=episode, parent_id=parents.get(episode), record=record)
                 parents[episode] = turn.id
                 batch.append(turn)
             await turns.add_turns(batch)
         await asyncio.gather(*(turns.complete_episode(e, "completed", 1.0) for e in ids))
-        leaves += [parents[e] for e in ids if parents[e] is not None]  # type: ignore[misc]
+        leaves += [parents[e] for e in ids]
     return leaves
 
 
 async def _time_reads(
-    turns: object, leaves: list[uuid.UUID], n_leaves: int, repeat: int
+    turns: TurnTree, leaves: list[uuid.UUID], n_leaves: int, repeat: int
 ) -> dict[str, list[float]]:
     """Wall time of `repeat` reads of `n_leaves` paths each way, alternating; the two
     must find the same paths."""
     from sqlalchemy import select
 
     from agentflow.db import turn_sql
-    from agentflow.db.turn_tree import TurnTree
 
-    assert isinstance(turns, TurnTree)
     times: dict[str, list[float]] = {"recursive": [], "episode": []}
     columns = turn_sql.TRAJECTORY_COLUMNS
     for round_ in range(repeat):

@@ -272,7 +272,7 @@ def _episode_turns_query(columns: Sequence[str]) -> Select[Any]:
 
 
 _EPISODE_TURNS_QUERIES: dict[tuple[str, ...], Select[Any]] = {
-    columns: _episode_turns_query(columns) for columns in (CONTEXT_COLUMNS, TRAJECTORY_COLUMNS)
+    TRAJECTORY_COLUMNS: _episode_turns_query(TRAJECTORY_COLUMNS)  # a lease's, the one caller
 }
 
 

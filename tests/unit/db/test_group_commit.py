@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -191,12 +192,18 @@ async def test_gathering_calls_share_a_batch_until_the_oldest_has_waited() -> No
     assert 0.2 <= loop.time() - started < 2.0
 
 
-async def test_a_call_that_does_not_gather_takes_the_gathered_ones_along_at_once() -> None:
-    store = FakeStore(delay=0.0)
-    batcher = GroupCommit(store.write, gather_s=30.0)
-    gathered = [batcher.submit(turn(), gather=True) for _ in range(3)]
+async def _held_back(store: FakeStore, n: int) -> tuple[GroupCommit[NewTurn, None], list[Any]]:
+    """A batcher that gathers for 30 s, and `n` calls it holds back, unwritten."""
+    batcher: GroupCommit[NewTurn, None] = GroupCommit(store.write, gather_s=30.0)
+    gathered = [batcher.submit(turn(), gather=True) for _ in range(n)]
     await asyncio.sleep(0.05)
     assert store.batches == []
+    return batcher, gathered
+
+
+async def test_a_call_that_does_not_gather_takes_the_gathered_ones_along_at_once() -> None:
+    store = FakeStore(delay=0.0)
+    batcher, gathered = await _held_back(store, 3)
     urgent = turn()
     await asyncio.wait_for(batcher.add(urgent), 5)  # not 30 s
     await asyncio.gather(*gathered)
@@ -232,10 +239,7 @@ async def test_a_drain_cancelled_while_gathering_cancels_its_callers() -> None:
 
 async def test_hurry_writes_what_gathers_at_once() -> None:
     store = FakeStore(delay=0.0)
-    batcher = GroupCommit(store.write, gather_s=30.0)
-    futures = [batcher.submit(turn(), gather=True) for _ in range(3)]
-    await asyncio.sleep(0.05)
-    assert store.batches == []
+    batcher, futures = await _held_back(store, 3)
     batcher.hurry()
     await asyncio.wait_for(asyncio.gather(*futures), 5)
     assert [len(b) for b in store.batches] == [3]
