@@ -17,7 +17,7 @@ from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
-from agentflow.db import direct, turn_images, turn_rows
+from agentflow.db import direct, id_lists, turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
 from agentflow.db.storable import storable
@@ -263,15 +263,17 @@ _PATH_QUERIES = {
 }
 
 
-def _episode_turns_query(columns: Sequence[str]) -> Select[Any]:
+def _episode_turns_query(columns: Sequence[str]) -> id_lists.ByDialect[Select[Any]]:
     """Every turn of the episodes bound to `ids` (each turn's id, parent and `columns`)."""
     names = dict.fromkeys(("id", "parent_id", *columns))
-    return select(*(turns.c[name] for name in names)).where(
-        turns.c.episode_id.in_(bindparam("ids", expanding=True))
+    return id_lists.both(
+        lambda array: select(*(turns.c[name] for name in names)).where(
+            id_lists.id_match(turns.c.episode_id, "ids", array=array)
+        )
     )
 
 
-_EPISODE_TURNS_QUERIES: dict[tuple[str, ...], Select[Any]] = {
+_EPISODE_TURNS_QUERIES: dict[tuple[str, ...], id_lists.ByDialect[Select[Any]]] = {
     TRAJECTORY_COLUMNS: _episode_turns_query(TRAJECTORY_COLUMNS)  # a lease's, the one caller
 }
 
@@ -285,8 +287,8 @@ async def episode_paths(
     of `paths` can be planned as a hash join over a scan of the whole turns table, whose
     cost grows with every turn the run has written (`bench/trajectory_paths.py`).
     Unknown leaves are absent."""
-    query = _EPISODE_TURNS_QUERIES[tuple(columns)]
     conn = await session.connection()
+    query = _EPISODE_TURNS_QUERIES[tuple(columns)].on(conn)
     by_id: dict[uuid.UUID, Any] = {}
     for chunk in chunks(list(dict.fromkeys(leaves.values()))):
         for row in await conn.execute(query, {"ids": list(chunk)}):

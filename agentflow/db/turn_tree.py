@@ -32,11 +32,11 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, exists, select
+from sqlalchemy import Table, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from agentflow.db import blobs, direct, episode_sql, turn_images, turn_rows, turn_sql
+from agentflow.db import blobs, direct, episode_sql, id_lists, turn_images, turn_rows, turn_sql
 from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
 from agentflow.db.group_commit import GroupCommit
 from agentflow.db.models import Environment, Run
@@ -62,10 +62,12 @@ _trajectories = turn_sql.trajectories
 _runs = cast(Table, Run.__table__)
 _environments = cast(Table, Environment.__table__)
 # A lease reads its trajectories' rows (with their group and env) by id: built once.
-_TRAJECTORY_ROWS = (
-    select(_trajectories, _episodes.c.group_id, _episodes.c.env_ref)
-    .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
-    .where(_trajectories.c.id.in_(bindparam("ids", expanding=True)))
+_TRAJECTORY_ROWS = id_lists.both(
+    lambda array: (
+        select(_trajectories, _episodes.c.group_id, _episodes.c.env_ref)
+        .join(_episodes, _episodes.c.id == _trajectories.c.episode_id)
+        .where(id_lists.id_match(_trajectories.c.id, "ids", array=array))
+    )
 )
 
 
@@ -654,7 +656,7 @@ class TurnTree:
         async with self._sessions() as session:
             conn = await session.connection()  # Core, not the ORM: a lease reads these
             for chunk in turn_sql.chunks(unique):
-                rows = await conn.execute(_TRAJECTORY_ROWS, {"ids": list(chunk)})
+                rows = await conn.execute(_TRAJECTORY_ROWS.on(conn), {"ids": list(chunk)})
                 found.update({row.id: row for row in rows})
             missing = [t for t in unique if t not in found]
             if missing:

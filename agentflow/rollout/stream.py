@@ -199,27 +199,26 @@ class DbTrajectoryStream:
             if version is None:
                 raise NotFound(f"run {self.run_id} not found")
             bound = None if self.max_staleness is None else version - self.max_staleness
-            fresh = await self._candidates(conn, fresh=True, bound=bound)
-            if bound is not None and self.stale_policy == "drop":
-                # After the candidates: a group that ended since is dropped from too, so
-                # what is served and what is marked stale agree.
-                dropped, dropped_groups = await self._drop_stale(conn, bound)
-                fresh = [
-                    row
-                    for row in fresh
-                    if row.min_weight_version is None or row.min_weight_version >= bound
-                ]
+            # Dropped, the rows past the bound are no candidates; they are marked stale
+            # after the candidates are read, so a group that ended in between is dropped
+            # from too, and what is served and what is marked stale agree.
+            drop_below = bound if self.stale_policy == "drop" else None
+            fresh = await self._candidates(conn, fresh=True, bound=drop_below, max_n=max_n)
+            if drop_below is not None:
+                dropped, dropped_groups = await self._drop_stale(conn, drop_below)
             chosen = _whole_groups(fresh, max_n)
             n_fresh = len(chosen)
             if len(chosen) < max_n and self.max_reuse > 1:
-                replay = await self._candidates(conn, fresh=False, bound=bound)
-                chosen += _whole_groups(replay, max_n - len(chosen))
+                left = max_n - len(chosen)
+                replay = await self._candidates(conn, fresh=False, bound=bound, max_n=left)
+                chosen += _whole_groups(replay, left)
             ids = [row.id for row in chosen]
             lease = {"p_lease_id": lease_id, "p_until": now + timedelta(seconds=self.lease_s)}
+            take = stream_sql.LEASE.on(conn)
             leased = 0
             for start in range(0, len(ids), 500):
                 chunk = ids[start : start + 500]
-                leased += _rowcount(await conn.execute(stream_sql.LEASE, {**lease, "p_ids": chunk}))
+                leased += _rowcount(await conn.execute(take, {**lease, "p_ids": chunk}))
             if leased != len(ids):
                 raise _LeaseRace
         return chosen, n_fresh, version, _rowcount(expired), dropped, dropped_groups
@@ -231,7 +230,7 @@ class DbTrajectoryStream:
         )
         if held:
             until = now + timedelta(seconds=self.lease_s)
-            await conn.execute(stream_sql.RENEW, {"p_ids": held, "p_until": until})
+            await conn.execute(stream_sql.RENEW.on(conn), {"p_ids": held, "p_until": until})
         return held
 
     async def _serve(
@@ -262,7 +261,7 @@ class DbTrajectoryStream:
             return 0, 0
         ids = [row.id for row in stale]
         for start in range(0, len(ids), 500):
-            await conn.execute(stream_sql.MARK_STALE, {"p_ids": ids[start : start + 500]})
+            await conn.execute(stream_sql.MARK_STALE.on(conn), {"p_ids": ids[start : start + 500]})
         groups = {row.group_id for row in stale if row.group_id is not None}
         wiped = 0
         for group in groups:  # a group with nothing left to train on is refunded
@@ -270,17 +269,23 @@ class DbTrajectoryStream:
         return len(ids), wiped
 
     async def _candidates(
-        self, conn: AsyncConnection, *, fresh: bool, bound: int | None
+        self, conn: AsyncConnection, *, fresh: bool, bound: int | None, max_n: int
     ) -> list[Any]:
-        """Servable rows of whole groups, in serving order (`stream_sql.FRESH`, `REPLAY`)."""
-        params: dict[str, Any] = {**self._run, "p_group_size": self.group_size}
+        """Servable rows of whole groups, in serving order, as many groups as a pull of
+        `max_n` can take, inside `bound` when given (`stream_sql.FRESH`, `REPLAY`, and
+        their bounded forms)."""
+        params: dict[str, Any] = {
+            **self._run,
+            "p_group_size": self.group_size,
+            "p_max_n": max_n,
+        }
         if fresh:
-            query = stream_sql.FRESH
+            query = stream_sql.FRESH if bound is None else stream_sql.FRESH_BOUNDED
         else:
             params["p_max_served"] = self.max_reuse - 1
             query = stream_sql.REPLAY if bound is None else stream_sql.REPLAY_BOUNDED
-            if bound is not None:
-                params["p_bound"] = bound
+        if bound is not None:
+            params["p_bound"] = bound
         return list((await conn.execute(query, params)).all())
 
     async def reclaim(self) -> int:
@@ -300,12 +305,13 @@ class DbTrajectoryStream:
             return 0
         counted = 0
         params: dict[str, Any] = {**self._run, "p_max_reuse": self.max_reuse}
-        query = stream_sql.ACK
+        statement = stream_sql.ACK
         if lease_id is not None:
-            query = stream_sql.ACK_LEASE
+            statement = stream_sql.ACK_LEASE
             params["p_lease_id"] = lease_id
         async with self.turns.write_transaction() as session:
             conn = await session.connection()
+            query = statement.on(conn)
             for start in range(0, len(ids), 500):
                 chunk = list(ids[start : start + 500])
                 counted += _rowcount(await conn.execute(query, {**params, "p_ids": chunk}))

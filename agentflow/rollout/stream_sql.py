@@ -6,16 +6,19 @@ gateway's CPU than the database spends running it: SQLAlchemy constructs its cla
 column collections of the aliases and the CTE, and a cache key, before it finds the
 compiled form in its cache. Built once here with bound parameters, each keeps its cache
 key, and a call only binds values. Parameter names start with `p_`: SQLAlchemy reserves
-a column's own name in an UPDATE's SET clause.
+a column's own name in an UPDATE's SET clause. A list of ids is one array parameter on
+PostgreSQL, an expanding list on SQLite (`agentflow.db.id_lists`): a statement taking one
+is built in both forms, and `.on(conn)` picks the connection's.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import Table, bindparam, case, func, or_, select, update
 from sqlalchemy.sql import Select, Update
 
+from agentflow.db.id_lists import ByDialect, both, id_match
 from agentflow.db.models import Episode, Run
 from agentflow.db.models import Trajectory as TrajectoryRow
 from agentflow.types import OPEN_EPISODE_STATUSES
@@ -38,11 +41,13 @@ EXPIRE: Update = (
 VERSION: Select = select(_runs.c.weight_version).where(_runs.c.id == bindparam("p_run_id"))
 
 # Lease the chosen rows still `ready` (p_ids, p_lease_id, p_until).
-LEASE: Update = (
-    update(_trajectories)
-    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
-    .where(_t.status == "ready")
-    .values(status="leased", lease_id=bindparam("p_lease_id"), lease_until=bindparam("p_until"))
+LEASE: ByDialect[Update] = both(
+    lambda array: (
+        update(_trajectories)
+        .where(id_match(_t.id, "p_ids", array=array))
+        .where(_t.status == "ready")
+        .values(status="leased", lease_id=bindparam("p_lease_id"), lease_until=bindparam("p_until"))
+    )
 )
 
 # The ids a lease still holds, in serving order (p_run_id, p_lease_id); and their renewal
@@ -54,10 +59,12 @@ HELD: Select = (
     .where(_t.lease_id == bindparam("p_lease_id"))
     .order_by(_t.created_at, _t.id)
 )
-RENEW: Update = (
-    update(_trajectories)
-    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
-    .values(lease_until=bindparam("p_until"))
+RENEW: ByDialect[Update] = both(
+    lambda array: (
+        update(_trajectories)
+        .where(id_match(_t.id, "p_ids", array=array))
+        .values(lease_until=bindparam("p_until"))
+    )
 )
 
 
@@ -84,10 +91,10 @@ def _stale() -> Select:
 
 
 STALE = _stale()
-MARK_STALE: Update = (
-    update(_trajectories)
-    .where(_t.id.in_(bindparam("p_ids", expanding=True)))
-    .values(status="stale")
+MARK_STALE: ByDialect[Update] = both(
+    lambda array: (
+        update(_trajectories).where(id_match(_t.id, "p_ids", array=array)).values(status="stale")
+    )
 )
 # How many of a group's trajectories are still to train on (p_group).
 GROUP_LEFT: Select = (
@@ -99,10 +106,19 @@ GROUP_LEFT: Select = (
 
 
 def _candidates(*, fresh: bool, bounded: bool) -> Select:
-    """Servable rows of whole groups, in serving order (p_run_id, p_group_size; replays
-    also p_max_served, and p_bound when `bounded`). A group is whole when none of its
-    episodes is open and it has `p_group_size` of them: checked once per group with
-    ready rows (one aggregate), not once per row."""
+    """Servable rows of whole groups, group by group in serving order, of at most
+    `p_max_n` groups (p_run_id, p_group_size, p_max_n; replays also p_max_served;
+    p_bound when `bounded`). A group is whole when none of its episodes is open and it
+    has `p_group_size` of them: checked once per group with ready rows (one aggregate),
+    not once per row.
+
+    A pull of `max_n` rows takes at most `max_n` groups, each of at most `max_n` rows
+    (only the first group in serving order may be larger: a pull that finds nothing else
+    splits it, `stream._whole_groups`). So only the first `max_n` of those groups are
+    read, and a pull costs the client O(max_n) rows, not the run's whole backlog. Where
+    groups differ in size (some trajectories dropped as stale), a pull may come back
+    short of `max_n` where a later small group would have filled it; the next pull
+    takes that group."""
     ready = (
         select(
             _t.id,
@@ -120,10 +136,10 @@ def _candidates(*, fresh: bool, bounded: bool) -> Select:
         ready = ready.where(_t.times_served == 0)
     else:
         ready = ready.where(_t.times_served.between(1, bindparam("p_max_served")))
-        if bounded:  # replays only inside the bound, whatever the policy
-            ready = ready.where(
-                or_(_t.min_weight_version.is_(None), _t.min_weight_version >= bindparam("p_bound"))
-            )
+    if bounded:  # replays only inside the bound, whatever the policy; fresh ones when dropped
+        ready = ready.where(
+            or_(_t.min_weight_version.is_(None), _t.min_weight_version >= bindparam("p_bound"))
+        )
     rows = ready.cte("ready_rows")
     peer = _episodes.alias("peer")
     whole = (
@@ -133,27 +149,54 @@ def _candidates(*, fresh: bool, bounded: bool) -> Select:
         .having(func.count() >= bindparam("p_group_size"))
         .having(func.sum(case((peer.c.status.in_(OPEN_EPISODE_STATUSES), 1), else_=0)) == 0)
     )
-    query = select(rows).where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
+    order: tuple[Any, ...]
     if fresh:
         # The oldest policy first (then the earliest ended): a group that finishes after
         # younger ones overtook it is the next to age past the bound, so it goes first.
-        return query.order_by(rows.c.min_weight_version.nulls_last(), rows.c.created_at, rows.c.id)
-    # The least replayed first, then the most recent (closest to the policy).
-    return query.order_by(rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
+        order = (rows.c.min_weight_version.nulls_last(), rows.c.created_at, rows.c.id)
+    else:
+        # The least replayed first, then the most recent (closest to the policy).
+        order = (rows.c.times_served, rows.c.created_at.desc(), rows.c.id)
+    servable = (
+        select(rows, func.row_number().over(order_by=order).label("nth_row"))
+        .where(or_(rows.c.group_id.is_(None), rows.c.group_id.in_(whole)))
+        .subquery("servable")
+    )
+    s = servable.c
+    # A group's place is its first row's; a row without a group is a group of its own.
+    group_key = (s.group_id, case((s.group_id.is_(None), s.id)))
+    placed = select(
+        servable,
+        func.min(s.nth_row).over(partition_by=group_key).label("group_place"),
+        func.count().over(partition_by=group_key).label("group_rows"),
+    ).subquery("placed")
+    p = placed.c
+    ranked = (
+        select(placed, func.dense_rank().over(order_by=p.group_place).label("nth_group"))
+        .where(or_(p.group_rows <= bindparam("p_max_n"), p.group_place == 1))
+        .subquery("ranked")
+    )
+    r = ranked.c
+    return (
+        select(r.id, r.group_id, r.times_served, r.created_at, r.lease_id, r.min_weight_version)
+        .where(r.nth_group <= bindparam("p_max_n"))
+        .order_by(r.group_place, r.nth_row)
+    )
 
 
 FRESH = _candidates(fresh=True, bounded=False)
+FRESH_BOUNDED = _candidates(fresh=True, bounded=True)
 REPLAY = _candidates(fresh=False, bounded=False)
 REPLAY_BOUNDED = _candidates(fresh=False, bounded=True)
 
 
-def _ack(*, by_lease: bool) -> Update:
+def _ack(*, by_lease: bool, array: bool) -> Update:
     """Count one training of each row of p_ids still leased or ready in the run
     (p_run_id, p_max_reuse; by `p_lease_id` when `by_lease`)."""
     query = (
         update(_trajectories)
         .where(_t.run_id == bindparam("p_run_id"))
-        .where(_t.id.in_(bindparam("p_ids", expanding=True)))
+        .where(id_match(_t.id, "p_ids", array=array))
         .where(_t.lease_id.is_not(None))
         .where(_t.status.in_(("leased", "ready")))
         .values(
@@ -168,8 +211,8 @@ def _ack(*, by_lease: bool) -> Update:
     return query.where(_t.lease_id == bindparam("p_lease_id")) if by_lease else query
 
 
-ACK = _ack(by_lease=False)
-ACK_LEASE = _ack(by_lease=True)
+ACK = both(lambda array: _ack(by_lease=False, array=array))
+ACK_LEASE = both(lambda array: _ack(by_lease=True, array=array))
 
 # A trainer starting up takes back its predecessor's leases (p_run_id).
 RECLAIM: Update = (

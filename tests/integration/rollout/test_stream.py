@@ -47,6 +47,24 @@ async def test_pull_leases_whole_finished_groups_oldest_first(turn_tree: TurnTre
     assert await stream.pull(10) == []  # leased ones and the open group stay out
 
 
+async def test_a_pull_splits_the_first_group_only_when_nothing_else_fits(
+    turn_tree: TurnTree,
+) -> None:
+    # More groups wait than a pull can take: it reads only as many as it can take, in
+    # serving order, so what it takes is what a read of the whole backlog would give.
+    run = await make_run(turn_tree)
+    groups = [await finished_group(turn_tree, run, 2) for _ in range(4)]
+    stream = _stream(turn_tree, run)
+
+    (half,) = await stream.pull(1)  # no group fits in 1: the first is split
+    assert half.group_id == groups[0]
+    batch = await stream.pull(4)  # the first group's other half, then one whole group
+    assert [t.group_id for t in batch] == [groups[0], groups[1], groups[1]]
+    assert {t.id for t in batch}.isdisjoint({half.id})
+    assert [t.group_id for t in await stream.pull(2)] == [groups[2]] * 2
+    assert [t.group_id for t in await stream.pull(10)] == [groups[3]] * 2
+
+
 async def test_an_expired_lease_is_served_again(turn_tree: TurnTree) -> None:
     run = await make_run(turn_tree)
     await finished_group(turn_tree, run, 2)
