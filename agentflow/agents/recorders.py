@@ -24,10 +24,11 @@ class TurnTreeRecorder:
     How many writes may be outstanding before the loop waits on the oldest: `window`
     while nothing but this episode's writes is queued, and `shared_window` while other
     episodes' writes are queued too. Alone, a fast episode's writes go at once when half
-    its window is outstanding, so its next turns overlap the write instead of stalling on
-    a full window. Among others, the small window is the writer's backpressure: when the
-    database falls behind, each episode stops after a few unwritten turns, which bounds
-    the queue (and the memory it holds) at a few turns per live episode.
+    its window is queued, so its next turns overlap the write instead of stalling on a
+    full window, and each write carries half a window. Among others, the small window is
+    the writer's backpressure: when the database falls behind, each episode stops after
+    a few unwritten turns, which bounds the queue (and the memory it holds) at a few
+    turns per live episode.
 
     A policy turn is held back until the env's answer to it is recorded, or `hold_s` has
     passed, whichever comes first, so that a fast env's turn and the reply before it go
@@ -70,7 +71,11 @@ class TurnTreeRecorder:
             self._held_until = asyncio.get_running_loop().call_later(self.hold_s, self._submit_held)
         else:
             self._submit(record)
-        if len(self.pending) >= self.window // 2:
+        # Half a window queued (the batch being written not counted): written now, if
+        # nothing but this episode's writes is queued. Counted by what is queued, not by
+        # what is outstanding, so that a fast episode's next writes gather while a batch
+        # is written instead of each going alone the moment it is queued.
+        if self.turns.turns_queued >= self.window // 2:
             self.turns.hurry_turns(at_most=len(self.pending))
 
     def _submit(self, record: TurnRecord) -> None:

@@ -18,13 +18,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
-import orjson
 from sqlalchemy import Table, bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from agentflow.db import direct
 from agentflow.db.models import Episode, Trajectory, Turn
-from agentflow.db.storable import storable
+from agentflow.db.storable import storable, storable_json
 
 _episodes = cast(Table, Episode.__table__)
 _turns = cast(Table, Turn.__table__)
@@ -149,7 +148,7 @@ class AsyncpgStatements:
         records = [
             (
                 *(row[name] for name in _EPISODE_COLUMNS[:4]),
-                orjson.dumps(storable(row["task"])).decode(),
+                storable_json(row["task"]),
                 row["group_id"],
                 row["status"],
                 row["created_at"],

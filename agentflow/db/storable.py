@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
 from sqlalchemy import JSON, Text, TypeDecorator
 from sqlalchemy.engine import Dialect
 
@@ -41,6 +42,20 @@ def storable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [storable(v) for v in value]
     return value
+
+
+def storable_json(value: Any) -> str:
+    """`value` as JSON text either database can hold (`storable`'s replacements made).
+    Serialized first, and walked only when that shows an unstorable character: orjson
+    writes a NUL as the escape `\\u0000` and refuses a lone surrogate, and the walk costs
+    more than the serializing (a turn's timings, an episode's task, on every write)."""
+    try:
+        dumped = orjson.dumps(value)
+    except orjson.JSONEncodeError:  # a lone surrogate (or what no JSON holds: raised below)
+        return orjson.dumps(storable(value)).decode()
+    if b"\\u0000" in dumped:
+        return orjson.dumps(storable(value)).decode()
+    return dumped.decode()
 
 
 class StorableText(TypeDecorator[str]):

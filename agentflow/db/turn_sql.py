@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-import orjson
 from sqlalchemy import Select, Table, bindparam, select
 from sqlalchemy import insert as sql_insert
 from sqlalchemy.exc import IntegrityError
@@ -20,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionm
 from agentflow.db import direct, id_lists, turn_images, turn_rows
 from agentflow.db.blobs import BlobStore, DatabaseBlobStore, stored_ids
 from agentflow.db.models import Episode, Trajectory, Turn
-from agentflow.db.storable import storable
+from agentflow.db.storable import storable, storable_json
 from agentflow.errors import Conflict, InvalidInput, NotFound
 from agentflow.types import NewTurn, TurnRecord
 
@@ -196,7 +195,7 @@ async def insert_turns_direct(
                 *values[:_TEXT],
                 None if text is None else storable(text),
                 *values[_TEXT + 1 : _TIMINGS],
-                orjson.dumps(storable(timings)).decode(),
+                storable_json(timings),
                 *values[_TIMINGS + 1 :],
             )
         )
