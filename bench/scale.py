@@ -710,8 +710,9 @@ async def run_level(
 # coordinator and the simulated trainer in this process. Measured the same way for every
 # N: turns played (env turn rows written in the window, from the database), the CPU of
 # every controller process (this one's and each shard's, from /proc) per turn, the cores
-# they used, PostgreSQL's, episode wall times, and the staleness of what the trainer
-# consumed. (The in-process controller above counts turns at the simulated env; the two
+# they used, PostgreSQL's, episode wall times, the staleness of what the trainer
+# consumed, and the shards' group commits (`ShardedRun.shard_writes`: turns queued,
+# summed over the shards, and how long turns and episode ends waited for their writes). (The in-process controller above counts turns at the simulated env; the two
 # counts agree to within the turns in flight at the window's edges.) The shards' own
 # warnings go to their stderr, not to the tally.
 
@@ -734,6 +735,8 @@ class ShardedResult(_Window):
     max_staleness: int
     logged: dict[str, int]
     replaced: int
+    queued_turns: list[int]  # the shards' turns queued for their group commits, summed
+    write_waits: dict[str, list[int]]  # the window's wait histograms, summed over shards
 
 
 def process_cpu_s(pid: int) -> float:
@@ -826,12 +829,18 @@ async def run_sharded_level(
         pids = run.shard_pids()
         start_at = datetime.now(UTC)
         db0 = postgres_cpu_s()
+        writes0 = await run.shard_writes()
         start, own0 = time.perf_counter(), time.process_time()
         shards0 = {pid: process_cpu_s(pid) for pid in pids}
-        await asyncio.sleep(seconds)
+        queued: list[int] = []
+        while time.perf_counter() - start < seconds:
+            await asyncio.sleep(LAG_PERIOD_S)
+            now = await run.shard_writes()
+            queued.append(sum(int(w["queued"]["turns"]) for w in now.values()))
         end, own1 = time.perf_counter(), time.process_time()
         shards1 = {pid: process_cpu_s(pid) for pid in pids if pid in run.shard_pids()}
         db1 = postgres_cpu_s()
+        writes1 = await run.shard_writes()
         end_at = datetime.now(UTC)
     finally:
         await _end_training(training, stop_training)
@@ -859,15 +868,35 @@ async def run_sharded_level(
         max_staleness=config.rollout.max_staleness,
         logged=dict(tally.counts),
         replaced=run.replacements,
+        queued_turns=queued,
+        write_waits=_window_waits(writes0, writes1),
     )
+
+
+def _window_waits(
+    before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
+) -> dict[str, list[int]]:
+    """The shards' write-wait histograms over the window, summed (a shard replaced
+    meanwhile is left out: its counts restarted)."""
+    summed: dict[str, list[int]] = {}
+    for pid, end in after.items():
+        begin = before.get(pid)
+        if begin is None:
+            continue
+        for kind, counts in end["waits"].items():
+            delta = [b - a for a, b in zip(begin["waits"][kind], counts, strict=True)]
+            total = summed.setdefault(kind, [0] * len(delta))
+            summed[kind] = [t + d for t, d in zip(total, delta, strict=True)]
+    return summed
 
 
 def sharded_report(results: Sequence[ShardedResult]) -> list[str]:
     lines = [
         "| episodes | shards | turns/s | ms CPU/turn (all controller processes) | cores "
         "(shards) | PostgreSQL cores | episode p50 | consumed/s | staleness (bound) "
-        "| shards replaced | logged |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| turns queued to commit p50/max | a turn's write waits p50/p99 ms "
+        "| an episode's end waits p50/p99 ms | shards replaced | logged |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         db = "-" if r.db_cores is None else f"{r.db_cores:.2f}"
@@ -876,7 +905,10 @@ def sharded_report(results: Sequence[ShardedResult]) -> list[str]:
             f"| {r.level:,} | {r.controllers} | {r.turns_per_s:,.0f} | {r.cpu_ms_per_turn:.2f} "
             f"| {r.cores:.2f} ({r.shard_cpu_s / r.window_s:.2f}) | {db} "
             f"| {quantile(r.episode_s, 0.5):.1f} s | {r.consumed / r.window_s:,.0f} "
-            f"| {staleness_summary(r.staleness)} ({r.max_staleness}) | {r.replaced} | {logged} |"
+            f"| {staleness_summary(r.staleness)} ({r.max_staleness}) "
+            f"| {quantile(r.queued_turns, 0.5):,.0f}/{max(r.queued_turns, default=0):,} "
+            f"| {_waits(r.write_waits.get('turns'))} "
+            f"| {_waits(r.write_waits.get('episode_ends'))} | {r.replaced} | {logged} |"
         )
     by_level: dict[int, dict[int, ShardedResult]] = {}
     for r in results:

@@ -105,6 +105,7 @@ def test_a_tiny_sharded_level_plays_in_shard_processes_and_reports(
         assert r.shard_cpu_s > 0 and r.cpu_s > r.shard_cpu_s  # shards' and the coordinator's
         assert r.logged == {} and r.replaced == 0
         assert max(r.staleness) <= r.max_staleness
+        assert r.queued_turns and sum(r.write_waits["turns"]) > 0  # the shards' queues
     lines = sharded_report(results)
     assert lines[2].startswith("| 16 | 1 |") and lines[3].startswith("| 16 | 2 |")
     assert "16 episodes, 2 shards against 1: CPU per turn x" in lines[-1]

@@ -215,6 +215,21 @@ class ShardedRun:
     async def wait(self) -> None:
         await self._ended.wait()
 
+    async def shard_writes(self) -> dict[int, Message]:
+        """Each live shard's group commits, by its process id: the writes queued by kind
+        (`TurnTree.queued_writes`) and the wait histograms so far (`write_waits`). A
+        shard that dies meanwhile is left out."""
+        live = [s for s in self.shards if s is not None and not (s.dead or s.leaving)]
+
+        async def ask(shard: _Shard) -> tuple[int, Message | None]:
+            try:
+                return shard.process.pid, await shard.peer.call("writes")
+            except (ShardLost, RemoteError):  # gone, or not playing yet
+                return shard.process.pid, None
+
+        answers = await asyncio.gather(*(ask(s) for s in live))
+        return {pid: answer for pid, answer in answers if answer and "queued" in answer}
+
     def shard_pids(self) -> list[int]:
         return [s.process.pid for s in self.shards if s is not None and not s.dead]
 

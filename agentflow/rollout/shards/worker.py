@@ -126,6 +126,8 @@ class Shard:
         executor = self.executor
         if executor is None:
             raise RuntimeError(f"{op} before the shard plays")
+        if op == "writes":  # what its group commits hold: the run's queue is the shards' sum
+            return {"queued": executor.turns.queued_writes, "waits": executor.turns.write_waits}
         if executor.state not in ("running", "paused"):
             # It has played its last episode (the run admitted its last group, or it was
             # stopped) and is on its way out: nothing left to switch or pause.

@@ -178,6 +178,11 @@ async def test_two_shards_play_one_run_and_a_killed_shard_is_recovered(
             while sum(run.counters.by_status.values()) < 6:
                 await asyncio.sleep(0.05)
         await run.pause()
+        # Each shard tells what its group commits hold (a benchmark sums them).
+        writes = await run.shard_writes()
+        assert set(writes) == set(run.shard_pids())
+        assert sum(sum(w["waits"]["turns"]) for w in writes.values()) > 0
+        assert all(set(w["queued"]) >= {"turns", "episode_ends"} for w in writes.values())
         async with asyncio.timeout(30):
             while await _count(manager, run_id, live=True):
                 await asyncio.sleep(0.05)
