@@ -712,9 +712,10 @@ async def run_level(
 # every controller process (this one's and each shard's, from /proc) per turn, the cores
 # they used, PostgreSQL's, episode wall times, the staleness of what the trainer
 # consumed, and the shards' group commits (`ShardedRun.shard_writes`: turns queued,
-# summed over the shards, and how long turns and episode ends waited for their writes). (The in-process controller above counts turns at the simulated env; the two
-# counts agree to within the turns in flight at the window's edges.) The shards' own
-# warnings go to their stderr, not to the tally.
+# summed over the shards, and how long turns and episode ends waited for their writes).
+# (The in-process controller above counts turns at the simulated env; the two counts
+# agree to within the turns in flight at the window's edges.) The shards' own warnings
+# go to their stderr, not to the tally.
 
 
 ROOT = Path(__file__).resolve().parent.parent  # the shards import bench.scale_shard
