@@ -685,7 +685,7 @@ async def run_level(
         staleness=staleness,
         lag_s=[s.lag_s for s in window],
         queued_turns=[s.queued_turns for s in window],
-        write_waits={k: [b - a for a, b in zip(waits0[k], waits1[k], strict=True)] for k in waits1},
+        write_waits=wait_delta(waits0, waits1),
         connections=[s.connections for s in window],
         ideal_turn_s=gen_s + env_s,
         gc_s=collector.seconds,
@@ -874,6 +874,11 @@ async def run_sharded_level(
     )
 
 
+def wait_delta(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Write-wait histograms (`TurnTree.write_waits`) over a window: after minus before."""
+    return {k: [b - a for a, b in zip(before[k], after[k], strict=True)] for k in after}
+
+
 def _window_waits(
     before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
 ) -> dict[str, list[int]]:
@@ -881,11 +886,9 @@ def _window_waits(
     meanwhile is left out: its counts restarted)."""
     summed: dict[str, list[int]] = {}
     for pid, end in after.items():
-        begin = before.get(pid)
-        if begin is None:
+        if pid not in before:
             continue
-        for kind, counts in end["waits"].items():
-            delta = [b - a for a, b in zip(begin["waits"][kind], counts, strict=True)]
+        for kind, delta in wait_delta(before[pid]["waits"], end["waits"]).items():
             total = summed.setdefault(kind, [0] * len(delta))
             summed[kind] = [t + d for t, d in zip(total, delta, strict=True)]
     return summed

@@ -228,7 +228,7 @@ class ShardedRun:
                 return shard.process.pid, None
 
         answers = await asyncio.gather(*(ask(s) for s in live))
-        return {pid: answer for pid, answer in answers if answer and "queued" in answer}
+        return {pid: answer for pid, answer in answers if answer is not None}
 
     def shard_pids(self) -> list[int]:
         return [s.process.pid for s in self.shards if s is not None and not s.dead]
