@@ -101,8 +101,12 @@ class PolicyRuntime:
             return await self._generate_through_updates(req, observer)
         finally:
             self.load.change(-1)
-            async with drained:
-                drained.notify_all()
+            # Only a draining update waits on `drained`; it clears `no_update` before it
+            # looks at the load, so a generation that ends while the event is still set
+            # has nothing to tell it.
+            if not no_update.is_set():
+                async with drained:
+                    drained.notify_all()
 
     async def _generate_through_updates(
         self, req: GenerateRequest, observer: TokenObserver | None
