@@ -14,6 +14,7 @@ raised: more episodes would only queue.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,33 +23,43 @@ log = logging.getLogger(__name__)
 
 
 class ElasticLimit:
-    """A semaphore whose capacity can move; lowering it never interrupts holders."""
+    """A semaphore whose capacity can move; lowering it never interrupts holders.
+
+    Waiters are futures woken together on each change (each looks again), not a
+    `Condition`: a release happens at every episode's end, and notifying a condition
+    from there took a task of its own, for a waiter that is there only while the pool
+    is full."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self._changed = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.held < self.limit)
-            self.held += 1
+        while self.held >= self.limit:
+            woken = asyncio.get_running_loop().create_future()
+            self._waiters.append(woken)
+            try:
+                await woken
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):  # absent once a change woke it
+                    self._waiters.remove(woken)
+                raise
+        self.held += 1
 
     def release(self) -> None:
         self.held -= 1
-        self._notify()
+        self._wake()
 
     def set_limit(self, limit: int) -> None:
         self.limit = limit
-        self._notify()
+        self._wake()
 
-    def _notify(self) -> None:
-        async def notify() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        with contextlib.suppress(RuntimeError):  # no running loop: nobody can be waiting
-            asyncio.get_running_loop().create_task(notify())
+    def _wake(self) -> None:
+        while self._waiters:
+            woken = self._waiters.popleft()
+            if not woken.done():
+                woken.set_result(None)
 
 
 class ElasticPool:
