@@ -96,21 +96,30 @@ class TurnTreeRecorder:
         meanwhile is raised once they are, never instead."""
         self._submit_held()
         pending, self.pending = self.pending, []
-        if not pending:
-            return
-        # Hurried only when nothing but these writes is queued (one episode at a time: no
-        # one to share a batch with). Among other episodes' writes the end waits the
-        # moment they gather for: a batch for each episode's end would undo the gathering.
-        self.turns.hurry_turns(at_most=len(pending))
-        done = asyncio.gather(*pending, return_exceptions=True)
-        try:
-            results = await asyncio.shield(done)
-        except asyncio.CancelledError:
-            await done
-            raise
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        # Most are committed by now: only the rest are waited on (each future gathered
+        # costs an event-loop callback).
+        waiting = [write for write in pending if not write.done()]
+        if waiting:
+            # Hurried only when nothing but these writes is queued (one episode at a time:
+            # no one to share a batch with). Among other episodes' writes the end waits the
+            # moment they gather for: a batch for each episode's end would undo the
+            # gathering.
+            self.turns.hurry_turns(at_most=len(waiting))
+            done = asyncio.gather(*waiting, return_exceptions=True)
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                await done
+                raise
+        # The first failure in submission order; every failure is looked at, so none is
+        # reported as never retrieved.
+        failures = [
+            asyncio.CancelledError() if write.cancelled() else write.exception()
+            for write in pending
+        ]
+        for failure in failures:
+            if failure is not None:
+                raise failure
 
 
 class MemoryRecorder:

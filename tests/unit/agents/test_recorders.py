@@ -185,3 +185,36 @@ async def test_among_other_episodes_writes_the_small_window_holds() -> None:
     for _ in range(8):
         await rec.record(ENV)
     assert alone.forced == 0  # alone: half the window went at once, nobody waited
+
+
+class FailingTurns(QueuedTurns):
+    """The first write fails at once; the others commit `delay_s` later."""
+
+    delay_s = 0.1
+
+    def submit_turn(
+        self, episode_id: uuid.UUID, parent_id: uuid.UUID | None, record: TurnRecord
+    ) -> tuple[uuid.UUID, asyncio.Future[None]]:
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[None] = loop.create_future()
+        if not self.submitted:
+            written.set_exception(ValueError("refused"))
+        else:
+            loop.call_later(self.delay_s, written.set_result, None)
+        self.submitted.append((loop.time(), parent_id, record.kind))
+        return uuid.uuid4(), written
+
+
+async def test_settle_waits_for_every_write_then_raises_the_first_failure() -> None:
+    turns = FailingTurns()
+    rec = recorder(turns, hold_s=0)
+    for _ in range(2):  # the first failed already, the second commits later
+        rec.pending.append(turns.submit_turn(rec.episode_id, None, ENV)[1])
+    later = rec.pending[-1]
+    try:
+        await asyncio.wait_for(rec.settle(), 5)
+    except ValueError as exc:
+        assert str(exc) == "refused"
+    else:
+        raise AssertionError("the failed write was not raised")
+    assert later.done()  # raised only once the write after it was settled too
