@@ -88,8 +88,11 @@ _LINGER_S = 0.05
 # (`GroupCommit.submit(gather=True)`): a white-box episode's turns. Far below an
 # episode's length, and it saves a statement per write that would otherwise go alone.
 # A run executor's episode creates and ends gather too (`gather=True`); an API call's
-# do not, someone waits on them.
-_GATHER_S = 0.02
+# do not, someone waits on them. 50 ms rather than 20: at 1,000 episodes the batches of
+# creates and ends are then about ten, not four, and the controller's CPU per turn fell
+# by a tenth to a fifth (docs/performance.md), for up to 30 ms more at an episode's start
+# and end.
+_GATHER_S = 0.05
 
 
 class _WriteAlone(Exception):
