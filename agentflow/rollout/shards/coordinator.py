@@ -157,13 +157,7 @@ class ShardedRun:
         started = loop.time()
         async with self._control:
             version = next_weight_version(self.weight_version, update)
-            live = [s for s in self.shards if s is not None and not (s.dead or s.leaving)]
-
-            async def switch(shard: _Shard) -> None:
-                with contextlib.suppress(ShardLost):
-                    await shard.peer.call("update", path=update.path, version=version)
-
-            await asyncio.gather(*(switch(s) for s in live))
+            await self._tell_all("update", path=update.path, version=version)
             seconds = loop.time() - started
             uri = update.uri or IN_PROCESS_URI
             await self.runs.record_version(self.run_id, version, uri, {"switch_seconds": seconds})
@@ -219,7 +213,6 @@ class ShardedRun:
         """Each live shard's group commits, by its process id: the writes queued by kind
         (`TurnTree.queued_writes`) and the wait histograms so far (`write_waits`). A
         shard that dies meanwhile is left out."""
-        live = [s for s in self.shards if s is not None and not (s.dead or s.leaving)]
 
         async def ask(shard: _Shard) -> tuple[int, Message | None]:
             try:
@@ -227,7 +220,7 @@ class ShardedRun:
             except (ShardLost, RemoteError):  # gone, or not playing yet
                 return shard.process.pid, None
 
-        answers = await asyncio.gather(*(ask(s) for s in live))
+        answers = await asyncio.gather(*(ask(s) for s in self._playing()))
         return {pid: answer for pid, answer in answers if answer is not None}
 
     def shard_pids(self) -> list[int]:
@@ -237,14 +230,16 @@ class ShardedRun:
         if self.state not in ("running", "paused"):
             raise Conflict(f"run {self.run_id} is {self.state}")
 
-    async def _tell_all(self, op: str, **fields: Any) -> None:
-        live = [s for s in self.shards if s is not None and not (s.dead or s.leaving)]
+    def _playing(self) -> list[_Shard]:
+        """The shards alive and not on their way out."""
+        return [s for s in self.shards if s is not None and not (s.dead or s.leaving)]
 
+    async def _tell_all(self, op: str, **fields: Any) -> None:
         async def tell(shard: _Shard) -> None:
             with contextlib.suppress(ShardLost):
                 await shard.peer.call(op, **fields)
 
-        await asyncio.gather(*(tell(s) for s in live))
+        await asyncio.gather(*(tell(s) for s in self._playing()))
 
     # ---- shards ---------------------------------------------------------------------
 
