@@ -157,7 +157,8 @@ async def trainer(
     while True:
         pulled: list[Any] = []
         while len(pulled) < batch:
-            pulled += await stream.pull(batch - len(pulled), timeout=1.0)
+            want = batch - len(pulled)
+            pulled += await stream.pull(want, timeout=1.0, min_n=want)
         started = time.perf_counter()
         version = executor.weight_version
         staleness = [t.staleness(version) or 0 for t in pulled]

@@ -284,7 +284,8 @@ async def trainer(
         while len(pulled) < batch:
             if stop.is_set():
                 return  # what it leased goes back when its lease expires
-            pulled += await stream.pull(batch - len(pulled), timeout=1.0)
+            want = batch - len(pulled)
+            pulled += await stream.pull(want, timeout=1.0, min_n=want)
         version = executor.weight_version
         stale = [s for t in pulled if (s := t.staleness(version)) is not None]
         log.append(_Trained(time.perf_counter(), stale))

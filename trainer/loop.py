@@ -189,7 +189,8 @@ async def lease_batch(
         if ended is not None:
             raise RunEnded(f"the run ended while the trainer waited for data: {ended}")
         want = (settings.groups_per_batch - len(groups)) * settings.group_size
-        got = await stream.pull(want, timeout=settings.pull_timeout_s)
+        # All of it at once: the stream looks again only when enough may have ended.
+        got = await stream.pull(want, timeout=settings.pull_timeout_s, min_n=want)
         batch += got
         groups.update(t.group_id or t.id for t in got)
     return batch

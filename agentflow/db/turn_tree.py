@@ -147,6 +147,9 @@ class TurnTree:
         )
         self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
         self._added: asyncio.Event | None = None  # replaced each time trajectories appear
+        # Trajectories this process has made, ever: a pull that needs `n` more waits for
+        # this to grow by `n` before it looks again (others' are seen only by looking).
+        self.trajectories_made = 0
 
     @staticmethod
     def _held(engine: AsyncEngine | None) -> direct.HeldConnection | None:
@@ -172,7 +175,8 @@ class TurnTree:
             self._added = asyncio.Event()
         return self._added
 
-    def _announce(self) -> None:
+    def _announce(self, made: int) -> None:
+        self.trajectories_made += made
         if self._added is not None:
             self._added.set()
             self._added = None
@@ -576,7 +580,7 @@ class TurnTree:
                 raise  # written again one by one, each with its own explanation
             raise await turn_sql.explain_insert_failure(self._sessions, final, exc) from exc
         if made:
-            self._announce()
+            self._announce(made)
         return results
 
     async def _write_ends(

@@ -2,13 +2,15 @@
 reach the trainer.
 
 The database is the source of truth, so nothing is lost when either side dies:
-- `pull(max_n, timeout)` leases up to `max_n` trajectories for `lease_s`: whole groups
-  (a task's samples go together, for group-normalized advantages), only groups whose
-  episodes have all finished, oldest first. Fresh trajectories always come first;
-  replays (ReFlow) fill in only when fresh ones are short, each trajectory at most
-  `max_reuse` times and only while inside the staleness bound. A pull that found nothing
-  and was woken by new trajectories waits `linger_s` (0.1 s) for more before it leases,
-  so a trainer filling a batch costs one lease transaction per linger, not one per
+- `pull(max_n, timeout, min_n=1)` leases up to `max_n` trajectories for `lease_s`:
+  whole groups (a task's samples go together, for group-normalized advantages), only
+  groups whose episodes have all finished, oldest first. Fresh trajectories always come
+  first; replays (ReFlow) fill in only when fresh ones are short, each trajectory at most
+  `max_reuse` times and only while inside the staleness bound. A pull waits up to
+  `timeout` for `min_n`: short of them, it keeps what it leased and looks again once
+  this process has made as many as it still needs, or after `poll_s`; woken by new
+  trajectories it waits `linger_s` (0.1 s) for more before it leases. A trainer that
+  asks for its whole batch at once costs a lease transaction per poll, not one per
   batch of episode ends.
 - `ack(ids, lease_id)` records that the trainer's step with them committed. It counts
   once per lease: a repeated ack is a no-op, and an ack after the lease expired still
@@ -56,7 +58,7 @@ LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 class TrajectoryStream(Protocol):
     async def pull(
-        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None, min_n: int = 1
     ) -> list[Trajectory]: ...
 
     async def ack(self, ids: Sequence[uuid.UUID], lease_id: str | None = None) -> int: ...
@@ -118,32 +120,58 @@ class DbTrajectoryStream:
     # ---- pull -----------------------------------------------------------------------
 
     async def pull(
-        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None, min_n: int = 1
     ) -> list[Trajectory]:
-        """Lease up to `max_n` trajectories, waiting up to `timeout` s for the first.
+        """Lease up to `max_n` trajectories, waiting up to `timeout` s for at least `min_n`
+        (fewer come back only when the time is up; `min_n` is cut to the whole groups
+        that fit in `max_n`).
+
+        A pull short of `min_n` keeps what it leased and looks again once this process has
+        made as many trajectories as it still needs, or after `poll_s` (other processes
+        make them too): a trainer filling a batch of hundreds asks for all of it at once
+        and costs a lease transaction per poll, not one per batch of episode ends.
 
         `lease_id` (32 hex digits, the caller's) makes a resent pull safe: when
         trajectories are still leased under it, the pull whose answer was lost did lease
         them, and they are served again (the lease renewed) instead of leasing more."""
         if max_n < 1:
             raise InvalidInput("max_n must be >= 1", field="max_n")
+        if not 1 <= min_n <= max_n:
+            raise InvalidInput("min_n must be in [1, max_n]", field="min_n")
         if not 0 <= timeout <= 3600:
             raise InvalidInput("timeout must be in [0, 3600] seconds", field="timeout")
         if lease_id is not None and not LEASE_ID.fullmatch(lease_id):
             raise InvalidInput("lease_id must be 32 lowercase hex digits", field="lease_id")
+        if max_n >= self.group_size:  # only whole groups fit: never wait for a part of one
+            min_n = min(min_n, max_n - max_n % self.group_size)
         resendable = lease_id is not None  # only a caller's own id can be held already
         lease_id = lease_id or uuid.uuid4().hex
         deadline = time.monotonic() + timeout
+        got: list[Trajectory] = []
         while True:
-            added = self.turns.trajectories_added()  # taken before looking: no lost wake-up
-            leased = await self._lease(max_n, lease_id, resendable=resendable)
-            remaining = deadline - time.monotonic()
-            if leased or remaining <= 0:
-                return leased
-            # Another process (the gateway, in the split form) may add trajectories too.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(added.wait(), min(remaining, self.poll_s))
-            if added.is_set() and self.linger_s > 0:
+            # Both taken before looking: no lost wake-up.
+            added = self.turns.trajectories_added()
+            made = self.turns.trajectories_made
+            # Only the first look may find a resent pull's trajectories; later ones would
+            # find this pull's own.
+            got += await self._lease(max_n - len(got), lease_id, resendable=resendable)
+            resendable = False
+            now = time.monotonic()
+            if len(got) >= min_n or now >= deadline:
+                return got
+            need = min_n - len(got)
+            look_again = min(deadline, now + self.poll_s)
+            woken = False
+            while self.turns.trajectories_made - made < need:
+                left = look_again - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(added.wait(), left)
+                if added.is_set():
+                    woken = True
+                    added = self.turns.trajectories_added()
+            if woken and self.linger_s > 0:
                 await asyncio.sleep(min(self.linger_s, max(0.0, deadline - time.monotonic())))
 
     async def _lease(self, max_n: int, lease_id: str, *, resendable: bool) -> list[Trajectory]:
@@ -382,12 +410,13 @@ class HttpTrajectoryStream:
         return orjson.loads(response.content) if response.content else None
 
     async def pull(
-        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None, min_n: int = 1
     ) -> list[Trajectory]:
         # The lease id travels with the request, so a resent pull (its answer lost to a
         # gateway that died) gets the same trajectories back instead of leasing more.
         body = {
             "max_n": max_n,
+            "min_n": min_n,
             "timeout_s": min(timeout, 60),
             "lease_id": lease_id or uuid.uuid4().hex,
         }

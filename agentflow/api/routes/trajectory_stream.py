@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import orjson
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentflow.api.deps import API_KEY, RunManagerDep
 from agentflow.api.routing import GatewayRoute
@@ -34,13 +34,26 @@ class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_n: Int64 = Field(ge=1, le=4096, description="at most this many trajectories")
-    timeout_s: float = Field(default=0.0, ge=0, le=60, description="wait this long for one")
+    min_n: Int64 = Field(
+        default=1, ge=1, le=4096, description="wait for this many (at most max_n) ..."
+    )
+    timeout_s: float = Field(
+        default=0.0, ge=0, le=60, description="... this long; then what there is comes back"
+    )
     lease_id: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{32}$",
         description="the caller's id for this lease: a resent pull with it gets the "
         "trajectories still leased under it instead of more",
     )
+
+    @field_validator("min_n")
+    @classmethod
+    def _at_most_max_n(cls, value: int, info: ValidationInfo) -> int:
+        max_n = info.data.get("max_n")
+        if max_n is not None and value > max_n:
+            raise ValueError(f"min_n must be at most max_n ({max_n})")
+        return value
 
 
 class AckRequest(BaseModel):
@@ -64,7 +77,7 @@ class RejectRequest(BaseModel):
 async def lease(run_id: uuid.UUID, body: LeaseRequest, manager: RunManagerDep) -> Response:
     """`{"trajectories": [...]}`, each a `Trajectory` as JSON."""
     stream = await manager.stream(run_id)
-    served = await stream.pull(body.max_n, body.timeout_s, body.lease_id)
+    served = await stream.pull(body.max_n, body.timeout_s, body.lease_id, min_n=body.min_n)
     return Response(lease_body(served), media_type="application/json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import httpx
@@ -45,6 +46,21 @@ async def test_lease_ack_and_metrics_over_http(app: FastAPI) -> None:
             bad = await client.post(f"/v1/runs/{run}/trajectories/lease", json={"max_n": 0})
             assert bad.status_code == 422
             assert bad.json()["detail"][0]["loc"] == ["body", "max_n"]
+            body = {"max_n": 2, "min_n": 3}
+            bad = await client.post(f"/v1/runs/{run}/trajectories/lease", json=body)
+            assert bad.status_code == 422
+            assert bad.json()["detail"][0]["loc"] == ["body", "min_n"]
+            assert "at most max_n" in bad.json()["detail"][0]["msg"]
+
+            # min_n travels: the pull waits for two, and the second comes meanwhile.
+            puller = asyncio.create_task(stream.pull(4, timeout=30, min_n=2))
+            await finished_group(turns, run, 1)
+            await asyncio.sleep(0.2)
+            assert not puller.done()
+            await finished_group(turns, run, 1)
+            pair = await asyncio.wait_for(puller, 10)
+            assert len(pair) == 2 and len({t.lease_id for t in pair}) == 1
+            assert await stream.ack([t.id for t in pair], pair[0].lease_id) == 2
             bad = await client.post(f"/v1/runs/{run}/trajectories/ack", json={"ids": ["nope"]})
             assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:2] == ["body", "ids"]
             missing = await client.post(

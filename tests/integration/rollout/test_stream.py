@@ -230,6 +230,67 @@ async def test_a_woken_pull_lingers_and_leases_what_came_meanwhile(turn_tree: Tu
     assert [t.group_id for t in await asyncio.wait_for(puller, 10)] == [third]
 
 
+class _CountedLeases:
+    """Counts a stream's lease transactions (each look at the database)."""
+
+    def __init__(self, stream: DbTrajectoryStream) -> None:
+        self.n = 0
+        lease = stream._lease
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return await lease(*args, **kwargs)
+
+        stream._lease = counted  # type: ignore[method-assign]
+
+
+async def test_a_pull_for_min_n_keeps_what_it_leased_and_looks_again_when_enough_ended(
+    turn_tree: TurnTree,
+) -> None:
+    """Short of `min_n`, a pull keeps its lease and looks again only once this process has
+    made as many trajectories as it still needs (polls are out of the way here)."""
+    run = await make_run(turn_tree)
+    stream = _stream(turn_tree, run, group_size=1, poll_s=30, linger_s=0.0)
+    leases = _CountedLeases(stream)
+    first = await finished_group(turn_tree, run, 1)
+    puller = asyncio.create_task(stream.pull(5, timeout=30, min_n=3))
+    await asyncio.sleep(0.1)
+    second = await finished_group(turn_tree, run, 1)  # one of the two it still needs
+    await asyncio.sleep(0.2)
+    assert not puller.done() and leases.n == 1
+    third = await finished_group(turn_tree, run, 1)
+    got = await asyncio.wait_for(puller, 10)
+    assert [t.group_id for t in got] == [first, second, third] and leases.n == 2
+    assert len({t.lease_id for t in got}) == 1
+    assert await stream.ack([t.id for t in got], got[0].lease_id) == 3
+
+
+async def test_a_pull_short_of_min_n_returns_what_it_has_at_its_timeout(
+    turn_tree: TurnTree,
+) -> None:
+    run = await make_run(turn_tree)
+    groups = [await finished_group(turn_tree, run, 1) for _ in range(2)]
+    stream = _stream(turn_tree, run, group_size=1)
+    got = await asyncio.wait_for(stream.pull(5, timeout=0.3, min_n=5), 10)
+    assert [t.group_id for t in got] == groups
+    for bad in (0, 6):
+        with pytest.raises(InvalidInput) as caught:
+            await stream.pull(5, min_n=bad)
+        assert caught.value.field == ("min_n",)
+
+
+async def test_min_n_counts_only_the_whole_groups_that_fit(turn_tree: TurnTree) -> None:
+    """Groups of two in a pull of five: four is all a pull can take, so it waits for four,
+    not for a fifth that would split a group."""
+    run = await make_run(turn_tree)
+    stream = _stream(turn_tree, run, group_size=2, poll_s=30, linger_s=0.0)
+    puller = asyncio.create_task(stream.pull(5, timeout=30, min_n=5))
+    await asyncio.sleep(0.1)
+    groups = [await finished_group(turn_tree, run, 2) for _ in range(2)]
+    got = await asyncio.wait_for(puller, 10)
+    assert [t.group_id for t in got] == [g for g in groups for _ in range(2)]
+
+
 async def test_concurrent_leasers_never_share_or_split_a_group(turn_tree: TurnTree) -> None:
     """Leasing locks only the rows it takes: leasers racing over the same groups each get
     whole groups, and no trajectory goes to two of them."""

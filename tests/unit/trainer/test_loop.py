@@ -34,7 +34,7 @@ class MemoryStream:
         self.reclaimed = 0
 
     async def pull(
-        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None
+        self, max_n: int, timeout: float = 0.0, lease_id: str | None = None, min_n: int = 1
     ) -> list[Trajectory]:
         lease = uuid.uuid4().hex
         out = [dataclasses.replace(t, lease_id=lease) for t in self.ready[:max_n]]
