@@ -61,7 +61,8 @@ _MAX_FINISH_REASON = 16  # the column width
 
 
 # Python floats at or past this round to infinity as float32, the stored width.
-_FLOAT32_OVERFLOW = 3.4028235677973366e38
+FLOAT32_OVERFLOW = 3.4028235677973366e38
+_FLOAT32_OVERFLOW = FLOAT32_OVERFLOW
 _HALF_FLOAT32_OVERFLOW = _FLOAT32_OVERFLOW / 2
 _FLOAT_ONLY = frozenset({float})
 # Where a uint32's most significant byte sits in `array("I").tobytes()` ("I" is 4 bytes on
@@ -213,6 +214,48 @@ class TurnRecord:
                 raise InvalidInput(f"timing {key!r} must be finite seconds >= 0", field="timings")
         set_(self, "timings", dict(self.timings))
         set_(self, "images", _images(self.images, self.kind))
+
+    @classmethod
+    def checked_upstream(
+        cls,
+        kind: TurnKind,
+        token_ids: tuple[int, ...],
+        *,
+        logprobs: tuple[float, ...] | None = None,
+        weight_versions: tuple[int, ...] | None = None,
+        reward: float | None = None,
+        finish_reason: str | None = None,
+        timings: dict[str, float],
+        images: tuple[bytes | str, ...] = (),
+    ) -> TurnRecord:
+        """A record of tokens already checked where they came in: an engine's answer
+        (`GenerateResult` refuses what `__post_init__` would) or the chat template's own
+        ids. The episode loop records two a turn; checking each token again cost a few
+        microseconds each. Tuples of plain ints and floats, as checked; `timings` the
+        loop's own. The reward and the images, an env's, are still checked."""
+        if reward is not None and not math.isfinite(reward):
+            raise InvalidInput("reward must be finite", field="reward")
+        if kind == "policy":
+            n = len(token_ids)
+            if logprobs is None or weight_versions is None:
+                raise InvalidInput("a policy turn needs logprobs and weight_versions")
+            _check_length("logprobs", len(logprobs), n)
+            _check_length("weight_versions", len(weight_versions), n)
+        elif logprobs is not None or weight_versions is not None:
+            raise InvalidInput("only policy turns carry logprobs and weight_versions")
+        record = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(record, "kind", kind)
+        set_(record, "token_ids", token_ids)
+        set_(record, "logprobs", logprobs)
+        set_(record, "weight_versions", weight_versions)
+        set_(record, "loss_mask", (1 if kind == "policy" else 0,) * len(token_ids))
+        set_(record, "text", None)
+        set_(record, "reward", reward)
+        set_(record, "finish_reason", finish_reason)
+        set_(record, "timings", timings)
+        set_(record, "images", _images(images, kind))
+        return record
 
 
 def _images(images: Sequence[bytes | str], kind: str) -> tuple[bytes | str, ...]:

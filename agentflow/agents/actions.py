@@ -113,6 +113,7 @@ class SampledActions:
             weight_versions=result.token_versions(),
             finish_reason=result.finish_reason,
             timings={"queue": queue, "generate": wall - queue},
+            checked=True,  # a `GenerateResult`'s ids, log-probs and versions
         )
 
     def waiting(self) -> _Parking:

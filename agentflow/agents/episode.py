@@ -66,6 +66,9 @@ class Reply:
     weight_versions: Sequence[int]
     finish_reason: str = "stop"
     timings: dict[str, float] = field(default_factory=dict)
+    # Its tokens, log-probs and versions were checked where they came in (an engine's
+    # `GenerateResult`): the turn record takes them without checking each again.
+    checked: bool = False
 
 
 class EnvWait(Protocol):
@@ -181,15 +184,16 @@ class EpisodeLoop:
             if room <= 0:
                 return progress.outcome("truncated", "token budget reached")
             reply = await actions.reply(EpisodeState(progress.context, progress.observations, room))
+            make = TurnRecord.checked_upstream if reply.checked else TurnRecord
             await self._record(
                 recorder,
-                TurnRecord(
+                make(
                     kind="policy",
                     token_ids=tuple(reply.output_ids),
                     logprobs=tuple(reply.logprobs),
                     weight_versions=tuple(reply.weight_versions),
                     finish_reason=reply.finish_reason,
-                    timings=reply.timings,
+                    timings=dict(reply.timings),
                 ),
             )
             progress.context += reply.output_ids
@@ -215,7 +219,9 @@ class EpisodeLoop:
         if delta or images:  # a screenshot is kept even when no message came with it
             await self._record(
                 recorder,
-                TurnRecord(
+                # The delta is the chat template's own ids; the env's reward and images
+                # are checked.
+                TurnRecord.checked_upstream(
                     kind="env",
                     token_ids=tuple(delta),
                     reward=step.reward,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentflow.errors import EngineRequestError
 from agentflow.integers import Int32, Int64
+from agentflow.types import FLOAT32_OVERFLOW
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -60,20 +61,27 @@ class GenerateRequest(BaseModel):
     )
 
 
+# An engine's answer is checked here, where it enters: what a turn record would refuse
+# (`agentflow.types.TurnRecord`) is refused already, so the episode loop records it as is.
+TokenId = Annotated[Int32, Field(ge=0)]
+# Finite, and finite in float32 too (the stored width).
+LogProb = Annotated[float, Field(allow_inf_nan=False, gt=-FLOAT32_OVERFLOW, lt=FLOAT32_OVERFLOW)]
+
+
 class VersionSpan(BaseModel):
     """Output tokens `[start, end)` were produced by weight `version`."""
 
     model_config = ConfigDict(frozen=True)
 
-    version: int
+    version: Int32 = Field(ge=0)
     start: int = Field(ge=0)
     end: int = Field(ge=0)
 
 
 class GenerateResult(BaseModel):
     rid: str
-    output_ids: list[int]
-    logprobs: list[float]
+    output_ids: list[TokenId]
+    logprobs: list[LogProb]
     finish_reason: FinishReason
     weight_versions: list[VersionSpan]
     prompt_tokens: int = Field(description="full context length the engine saw")

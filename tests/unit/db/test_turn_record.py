@@ -251,3 +251,37 @@ def test_rows_hold_packed_bytes() -> None:
     assert row.token_ids == pack_ints([5, 6, 7])
     assert row.logprobs == pack_floats([-0.5, -1.0, -0.25])
     assert row.loss_mask == pack_mask([1, 1, 1])
+
+
+def test_a_record_checked_upstream_equals_the_checked_one() -> None:
+    """The episode loop's records of an engine's answer and a template's delta skip the
+    token checks (`TurnRecord.checked_upstream`); they are the records the checks make."""
+    made = TurnRecord.checked_upstream(
+        "policy",
+        (5, 6, 7),
+        logprobs=(-0.5, -1.0, -0.25),
+        weight_versions=(3, 3, 4),
+        finish_reason="stop",
+        timings={"generate": 0.5},
+    )
+    assert made == policy(finish_reason="stop", timings={"generate": 0.5})
+    env = TurnRecord.checked_upstream("env", (1, 2), reward=0.5, timings={"env": 0.1})
+    assert env == TurnRecord(kind="env", token_ids=(1, 2), reward=0.5, timings={"env": 0.1})
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "message"),
+    [
+        ("env", {"reward": float("nan")}, "reward must be finite"),
+        ("policy", {"logprobs": (-0.5,), "weight_versions": (1, 1)}, "logprobs has 1 entries"),
+        ("policy", {"logprobs": (-0.5, -0.5), "weight_versions": (1,)}, "weight_versions has"),
+        ("policy", {"logprobs": (-0.5, -0.5)}, "needs logprobs and weight_versions"),
+        ("env", {"logprobs": (-0.5, -0.5)}, "only policy turns carry"),
+        ("env", {"images": (b"not an image",)}, "PNG"),
+    ],
+)
+def test_a_record_checked_upstream_still_refuses_what_is_not_a_token_s(
+    kind: Any, extra: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        TurnRecord.checked_upstream(kind, (1, 2), timings={}, **extra)
