@@ -29,10 +29,10 @@ import array
 import math
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 
@@ -156,11 +156,20 @@ class TurnRecord:
     images: tuple[bytes | str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._settle(_ints, _floats)
+
+    def _settle(
+        self,
+        ints: Callable[[Sequence[int], str], tuple[int, ...]],
+        floats: Callable[[Sequence[float], str], tuple[float, ...]],
+    ) -> None:
+        """Check the record and normalize it in place, token arrays through `ints` and
+        `floats` (`_ints` and `_floats`, or `_as_checked` for arrays checked upstream)."""
         if self.kind not in TURN_KINDS:
             raise InvalidInput(
                 f"kind must be one of {sorted(TURN_KINDS)}, got {self.kind!r}", field="kind"
             )
-        tokens = _ints(self.token_ids, "token_ids")
+        tokens = ints(self.token_ids, "token_ids")
         n = len(tokens)
         set_ = object.__setattr__  # frozen: normalize once, here
         set_(self, "token_ids", tokens)
@@ -171,9 +180,9 @@ class TurnRecord:
                     "a policy turn needs logprobs and weight_versions",
                     field="logprobs" if self.logprobs is None else "weight_versions",
                 )
-            lp = _floats(self.logprobs, "logprobs")
+            lp = floats(self.logprobs, "logprobs")
             _check_length("logprobs", len(lp), n)
-            versions = _ints(self.weight_versions, "weight_versions")
+            versions = ints(self.weight_versions, "weight_versions")
             _check_length("weight_versions", len(versions), n)
             set_(self, "logprobs", lp)
             set_(self, "weight_versions", versions)
@@ -225,37 +234,34 @@ class TurnRecord:
         weight_versions: tuple[int, ...] | None = None,
         reward: float | None = None,
         finish_reason: str | None = None,
-        timings: dict[str, float],
+        timings: Mapping[str, float],
         images: tuple[bytes | str, ...] = (),
     ) -> TurnRecord:
         """A record of tokens already checked where they came in: an engine's answer
-        (`GenerateResult` refuses what `__post_init__` would) or the chat template's own
-        ids. The episode loop records two a turn; checking each token again cost a few
-        microseconds each. Tuples of plain ints and floats, as checked; `timings` the
-        loop's own. The reward and the images, an env's, are still checked."""
-        if reward is not None and not math.isfinite(reward):
-            raise InvalidInput("reward must be finite", field="reward")
-        if kind == "policy":
-            n = len(token_ids)
-            if logprobs is None or weight_versions is None:
-                raise InvalidInput("a policy turn needs logprobs and weight_versions")
-            _check_length("logprobs", len(logprobs), n)
-            _check_length("weight_versions", len(weight_versions), n)
-        elif logprobs is not None or weight_versions is not None:
-            raise InvalidInput("only policy turns carry logprobs and weight_versions")
+        (`GenerateResult` refuses what `_ints` and `_floats` would) or the chat template's
+        own ids, as tuples of plain ints and floats. The episode loop records two a turn,
+        and checking each token again cost a few microseconds each; every other check
+        (lengths, reward, timings, images) is made as for any record."""
         record = object.__new__(cls)
         set_ = object.__setattr__
         set_(record, "kind", kind)
         set_(record, "token_ids", token_ids)
         set_(record, "logprobs", logprobs)
         set_(record, "weight_versions", weight_versions)
-        set_(record, "loss_mask", (1 if kind == "policy" else 0,) * len(token_ids))
+        set_(record, "loss_mask", None)
         set_(record, "text", None)
         set_(record, "reward", reward)
         set_(record, "finish_reason", finish_reason)
         set_(record, "timings", timings)
-        set_(record, "images", _images(images, kind))
+        set_(record, "images", images)
+        record._settle(_as_checked, _as_checked)
         return record
+
+
+def _as_checked(values: Sequence[Any], name: str) -> tuple[Any, ...]:
+    """A token array checked upstream (`TurnRecord.checked_upstream`, which takes only
+    tuples), taken as it is."""
+    return cast(tuple[Any, ...], values)
 
 
 def _images(images: Sequence[bytes | str], kind: str) -> tuple[bytes | str, ...]:

@@ -193,7 +193,7 @@ class EpisodeLoop:
                     logprobs=tuple(reply.logprobs),
                     weight_versions=tuple(reply.weight_versions),
                     finish_reason=reply.finish_reason,
-                    timings=dict(reply.timings),
+                    timings=reply.timings,
                 ),
             )
             progress.context += reply.output_ids

@@ -159,20 +159,26 @@ class DbTrajectoryStream:
             now = time.monotonic()
             if len(got) >= min_n or now >= deadline:
                 return got
-            need = min_n - len(got)
-            look_again = min(deadline, now + self.poll_s)
-            woken = False
-            while self.turns.trajectories_made - made < need:
-                left = look_again - time.monotonic()
-                if left <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(added.wait(), left)
-                if added.is_set():
-                    woken = True
-                    added = self.turns.trajectories_added()
+            # Short: look again once this process has made what is missing, or after a poll.
+            until = min(deadline, now + self.poll_s)
+            woken = await self._await_made(made + min_n - len(got), added, until=until)
             if woken and self.linger_s > 0:
                 await asyncio.sleep(min(self.linger_s, max(0.0, deadline - time.monotonic())))
+
+    async def _await_made(self, total: int, added: asyncio.Event, *, until: float) -> bool:
+        """Wait until this process has made `total` trajectories in all, or until the
+        monotonic time `until`; returns whether any were made meanwhile (`added` set)."""
+        woken = False
+        while self.turns.trajectories_made < total:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(added.wait(), left)
+            if added.is_set():
+                woken = True
+                added = self.turns.trajectories_added()
+        return woken
 
     async def _lease(self, max_n: int, lease_id: str, *, resendable: bool) -> list[Trajectory]:
         now = datetime.now(UTC)
