@@ -7,10 +7,11 @@ arrays at once with numpy.
 
 from __future__ import annotations
 
+import operator
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -88,8 +89,28 @@ def turn_values(turn: NewTurn, depth: int, created_at: datetime) -> tuple[Any, .
     )
 
 
-def turn_row(turn: NewTurn, depth: int, created_at: datetime) -> dict[str, Any]:
-    return dict(zip(TURN_ROW_COLUMNS, turn_values(turn, depth, created_at), strict=True))
+class WrittenTurn(NamedTuple):
+    """A turn as it was written, kept in memory by the process that wrote it: where it
+    sits (for its children's writes) and the columns of a trajectory's path
+    (`turn_sql.TRAJECTORY_COLUMNS`, for a lease), packed exactly as stored."""
+
+    id: uuid.UUID
+    episode_id: uuid.UUID
+    parent_id: uuid.UUID | None
+    depth: int
+    token_ids: bytes
+    logprobs: bytes | None
+    weight_versions: bytes | None
+    loss_mask: bytes
+    reward: float | None
+
+
+_WRITTEN_FIELDS = operator.itemgetter(*(TURN_ROW_COLUMNS.index(f) for f in WrittenTurn._fields))
+
+
+def written_turn(values: Sequence[Any]) -> WrittenTurn:
+    """The `WrittenTurn` of a row's `turn_values`."""
+    return WrittenTurn._make(_WRITTEN_FIELDS(values))
 
 
 def stored_turn(row: Any, images: Mapping[uuid.UUID, tuple[str, ...]] | None = None) -> StoredTurn:

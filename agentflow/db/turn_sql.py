@@ -51,6 +51,7 @@ def chunks(ids: Sequence[uuid.UUID]) -> Iterable[Sequence[uuid.UUID]]:
 
 
 Placement = tuple[uuid.UUID, int]  # a written turn's (episode id, depth)
+WrittenTurn = turn_rows.WrittenTurn
 
 
 def _positions(batch: Sequence[NewTurn]) -> dict[uuid.UUID, int]:
@@ -72,7 +73,7 @@ def _positions(batch: Sequence[NewTurn]) -> dict[uuid.UUID, int]:
 def _outside(
     batch: Sequence[NewTurn],
     positions: Mapping[uuid.UUID, int],
-    known: Mapping[uuid.UUID, Placement],
+    known: Mapping[uuid.UUID, WrittenTurn],
     stored: dict[uuid.UUID, Placement],
 ) -> list[uuid.UUID]:
     """Parents outside the batch: those in `known` go to `stored`, the others (to read)
@@ -81,8 +82,9 @@ def _outside(
     for t in batch:
         if t.parent_id is None or t.parent_id in positions:
             continue
-        if t.parent_id in known:
-            stored[t.parent_id] = known[t.parent_id]
+        parent = known.get(t.parent_id)
+        if parent is not None:
+            stored[t.parent_id] = (parent.episode_id, parent.depth)
         else:
             outside.append(t.parent_id)
     return turn_rows.ids_in_order(outside)
@@ -124,20 +126,16 @@ def _depths(
     return out
 
 
-def _placements(batch: Sequence[NewTurn], depths: Sequence[int]) -> dict[uuid.UUID, Placement]:
-    return {turn.id: (turn.episode_id, depth) for turn, depth in zip(batch, depths, strict=True)}
-
-
 async def insert_turns(
     session: AsyncSession | AsyncConnection,
     batch: Sequence[NewTurn],
-    placed: Mapping[uuid.UUID, Placement] | None = None,
+    placed: Mapping[uuid.UUID, WrittenTurn] | None = None,
     blob_store: BlobStore | None = None,
-) -> dict[uuid.UUID, Placement]:
+) -> list[WrittenTurn]:
     """Insert `batch` (parents before children) with one executemany, after checking the
     tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
     holds turns already known to be stored (turns never move), which saves reading them
-    back; returns the placement of every turn written. Turns' images go to `blob_store`
+    back; returns every turn written, as written. Turns' images go to `blob_store`
     (default: the database) and are linked; a batch with images needs a transaction.
     `insert_turns_direct` is the same on an asyncpg connection, for batches without images."""
     positions = _positions(batch)
@@ -151,10 +149,11 @@ async def insert_turns(
     depths = _depths(batch, positions, stored)
     now = datetime.now(UTC)
     # Distinct timestamps keep siblings written in one batch in their written order.
-    rows_out = [
-        turn_rows.turn_row(turn, depth, now + timedelta(microseconds=index))
+    values = [
+        turn_rows.turn_values(turn, depth, now + timedelta(microseconds=index))
         for index, (turn, depth) in enumerate(zip(batch, depths, strict=True))
     ]
+    rows_out = [dict(zip(turn_rows.TURN_ROW_COLUMNS, row, strict=True)) for row in values]
     links = []
     if turn_images.has_images(batch):
         links = await turn_images.store_blobs(session, blob_store or DatabaseBlobStore(), batch)
@@ -162,7 +161,7 @@ async def insert_turns(
     await turn_images.link(session, links)
     # That the episode is still open is checked by the database as each row goes in
     # (trigger `turns_need_open_episode`, migration 0002), atomically with the insert.
-    return _placements(batch, depths)
+    return [turn_rows.written_turn(row) for row in values]
 
 
 _INSERT_TURN_ROWS = direct.Insert(turns, turn_rows.TURN_ROW_COLUMNS)
@@ -172,8 +171,8 @@ _PLACEMENTS_SQL = "SELECT id, episode_id, depth FROM turns WHERE id = ANY($1::uu
 
 
 async def insert_turns_direct(
-    driver: Any, batch: Sequence[NewTurn], placed: Mapping[uuid.UUID, Placement] | None = None
-) -> dict[uuid.UUID, Placement]:
+    driver: Any, batch: Sequence[NewTurn], placed: Mapping[uuid.UUID, WrittenTurn] | None = None
+) -> list[WrittenTurn]:
     """`insert_turns` for a batch without images, straight on the asyncpg connection
     `driver` outside a transaction (`agentflow.db.direct`): the batch is one statement,
     atomic by itself, so it needs no BEGIN and COMMIT. What the column types do on the
@@ -187,8 +186,10 @@ async def insert_turns_direct(
     depths = _depths(batch, positions, stored)
     now = datetime.now(UTC)
     records = []
+    written = []
     for index, (turn, depth) in enumerate(zip(batch, depths, strict=True)):
         values = turn_rows.turn_values(turn, depth, now + timedelta(microseconds=index))
+        written.append(turn_rows.written_turn(values))
         text, timings = values[_TEXT], values[_TIMINGS]
         records.append(
             (
@@ -200,7 +201,7 @@ async def insert_turns_direct(
             )
         )
     await _INSERT_TURN_ROWS.run(driver, records)
-    return _placements(batch, depths)
+    return written
 
 
 async def explain_insert_failure(

@@ -27,7 +27,7 @@ import json
 import math
 import uuid
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -80,7 +80,12 @@ def _check_text(name: str, value: str | None, max_length: int | None) -> None:
         raise InvalidInput(f"{name} must not contain NUL characters", field=name)
 
 
-_PLACED_LIMIT = 100_000  # recent turns whose (episode, depth) is kept in memory
+# Recent turns this process wrote, kept in memory as written (`turn_rows.WrittenTurn`):
+# their children's writes need not read where they sit, and a lease builds the paths of
+# trajectories whose every turn is kept without reading them back. A lease forgets what
+# it served; the oldest go first past this many (about 1 KiB each for a turn of 50
+# tokens, so at most about 100 MiB).
+_KEPT_LIMIT = 100_000
 # How long a group commit keeps its connection after its last write: longer than the
 # gaps between an episode's writes, short next to anything a person waits for.
 _LINGER_S = 0.05
@@ -145,7 +150,7 @@ class TurnTree:
         self._episode_ends: GroupCommit[_EpisodeEnd, list[uuid.UUID]] = self._group_commit(
             self._end_episodes, self._end_conn
         )
-        self._placed: OrderedDict[uuid.UUID, turn_sql.Placement] = OrderedDict()
+        self._kept: OrderedDict[uuid.UUID, turn_rows.WrittenTurn] = OrderedDict()
         self._added: asyncio.Event | None = None  # replaced each time trajectories appear
         # Trajectories this process has made, ever: a pull that needs `n` more waits for
         # this to grow by `n` before it looks again (others' are seen only by looking).
@@ -339,22 +344,42 @@ class TurnTree:
                 # One INSERT, atomic by itself (the episode checked by a trigger): no
                 # transaction, so no round trips for BEGIN and COMMIT.
                 async with direct_conn.driver() as driver:
-                    written = await turn_sql.insert_turns_direct(driver, batch, self._placed)
+                    written = await turn_sql.insert_turns_direct(driver, batch, self._kept)
             else:  # SQLite, or images: blobs, turns and links in one transaction
                 async with self._write() as session:
                     written = await turn_sql.insert_turns(
-                        session, batch, self._placed, self.blob_store
+                        session, batch, self._kept, self.blob_store
                     )
         except IntegrityError as exc:
             raise await turn_sql.explain_insert_failure(self._sessions, batch, exc) from exc
         self._remember(written)
         return [turn.id for turn in batch]
 
-    def _remember(self, written: Mapping[uuid.UUID, turn_sql.Placement]) -> None:
-        """Keep where recent turns sit, so their children's writes need not read them."""
-        self._placed.update(written)
-        while len(self._placed) > _PLACED_LIMIT:
-            self._placed.popitem(last=False)
+    def _remember(self, written: Sequence[turn_rows.WrittenTurn]) -> None:
+        """Keep recent turns as written (`_KEPT_LIMIT`), once they are committed."""
+        kept = self._kept
+        for turn in written:
+            kept[turn.id] = turn
+        while len(kept) > _KEPT_LIMIT:
+            kept.popitem(last=False)
+
+    def _kept_path(self, leaf: uuid.UUID) -> list[turn_rows.WrittenTurn] | None:
+        """The root-first path to `leaf` when every turn of it is kept, else None."""
+        kept = self._kept
+        path = []
+        turn = kept.get(leaf)
+        while turn is not None:
+            path.append(turn)
+            if turn.parent_id is None:
+                path.reverse()
+                return path
+            turn = kept.get(turn.parent_id)
+        return None
+
+    def _forget(self, turn_ids: Iterable[uuid.UUID]) -> None:
+        kept = self._kept
+        for turn_id in turn_ids:
+            kept.pop(turn_id, None)
 
     # ---- reading turns --------------------------------------------------------------
 
@@ -614,7 +639,9 @@ class TurnTree:
                 continue
             tree = trees[end.episode_id]
             rows: list[dict[str, Any]] = []
-            if end.status in TRAINABLE_EPISODE_STATUSES:
+            if end.status not in TRAINABLE_EPISODE_STATUSES:  # no lease will read its turns
+                self._forget(turn.id for turn in tree)
+            else:
                 try:
                     rows = turn_rows.trajectory_rows(
                         tree,
@@ -657,7 +684,9 @@ class TurnTree:
         return results, len(made)
 
     async def trajectories(self, trajectory_ids: Sequence[uuid.UUID]) -> list[TrajectoryView]:
-        """Trajectories with their full tokens, in the order asked."""
+        """Trajectories with their full tokens, in the order asked. Paths whose turns this
+        process wrote and still keeps are built from memory, and then forgotten (a
+        trajectory is read when a lease serves it, mostly once); the rest are read."""
         unique = turn_rows.ids_in_order(trajectory_ids)
         found: dict[uuid.UUID, Any] = {}
         async with self._sessions() as session:
@@ -668,8 +697,19 @@ class TurnTree:
             missing = [t for t in unique if t not in found]
             if missing:
                 raise NotFound(f"trajectory {missing[0]} not found")
-            leaves = {found[t].leaf_turn_id: found[t].episode_id for t in unique}
-            paths = await turn_sql.episode_paths(session, leaves, turn_sql.TRAJECTORY_COLUMNS)
+            paths: dict[uuid.UUID, Sequence[Any]] = {}
+            unkept: dict[uuid.UUID, uuid.UUID] = {}
+            for tid in unique:
+                leaf = found[tid].leaf_turn_id
+                path = self._kept_path(leaf)
+                if path is None:
+                    unkept[leaf] = found[tid].episode_id
+                else:
+                    paths[leaf] = path
+            if unkept:
+                paths.update(
+                    await turn_sql.episode_paths(session, unkept, turn_sql.TRAJECTORY_COLUMNS)
+                )
         built: dict[uuid.UUID, TrajectoryView] = {}
         for tid in unique:
             row = found[tid]
@@ -692,6 +732,7 @@ class TurnTree:
                 turn_rewards=tuple(float(t.reward or 0.0) for t in paths[row.leaf_turn_id]),
                 **{f.name: getattr(context, f.name) for f in fields(Context)},
             )
+        self._forget(turn.id for leaf in paths if leaf not in unkept for turn in paths[leaf])
         return [built[t] for t in trajectory_ids]
 
     async def trajectory(self, trajectory_id: uuid.UUID) -> TrajectoryView:

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from agentflow.db.models import Trajectory, Turn
@@ -327,6 +327,45 @@ async def test_no_trajectory_points_at_a_missing_turn(
         assert path[0].parent_id is None  # the whole way up to a root is there
         assert tuple(t.id for t in path) == trajectory.turn_ids
         assert len(trajectory.token_ids) == sum(len(t.token_ids) for t in path)
+
+
+async def test_a_lease_builds_the_paths_this_process_wrote_from_memory(
+    turn_tree: TurnTree, db_engine: AsyncEngine
+) -> None:
+    """Trajectories whose turns this `TurnTree` wrote are built without reading their
+    turns back, equal to what the database holds; once served they are read again like
+    any other. A path with a turn written elsewhere is read whole."""
+    statements: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    elsewhere = TurnTree(turn_tree.sessions)  # another process's writer
+    episode = await turn_tree.create_episode(group_id="kept")
+    shared = await elsewhere.create_episode(group_id="shared")
+    ids = []
+    for ep, first in ((episode, turn_tree), (shared, elsewhere)):
+        root = await first.add_turn(ep, None, prompt(1, 2))
+        reply = await turn_tree.add_turn(ep, root, answer(4, 7, 8))
+        env = TurnRecord(kind="env", token_ids=(9,), text="obs", reward=0.5)
+        await turn_tree.add_turns([NewTurn(episode_id=ep, parent_id=reply, record=env)])
+        await turn_tree.add_turn(ep, root, answer(5, 6))  # a second branch
+        ids += await turn_tree.complete_episode(ep, "completed", reward=1.0)
+    reader = TurnTree(turn_tree.sessions)  # keeps nothing: reads every path
+    stored = await reader.trajectories(ids)
+
+    event.listen(db_engine.sync_engine, "before_cursor_execute", count)
+    try:
+        kept = await turn_tree.trajectories(ids[:2])
+        assert len(statements) == 1  # the trajectory rows; no turns read
+        assert kept == stored[:2]
+        assert kept[0].turn_rewards in {(0.0, 0.0, 0.5), (0.0, 0.0)}
+        statements.clear()
+        assert await turn_tree.trajectories(ids) == stored  # served: read again
+        assert len(statements) == 2  # the trajectory rows, then the episodes' turns
+    finally:
+        event.remove(db_engine.sync_engine, "before_cursor_execute", count)
+    assert {t.token_ids for t in stored} == {(1, 2, 7, 8, 9), (1, 2, 6)}
 
 
 async def test_unstorable_text_and_timings_round_trip_on_either_path(turn_tree: TurnTree) -> None:

@@ -185,9 +185,10 @@ def test_an_empty_turn_is_valid() -> None:
     assert record.token_ids == () and record.loss_mask == ()
 
 
-def _row(record: TurnRecord, parent: uuid.UUID | None = None) -> SimpleNamespace:
+def _row(record: TurnRecord, parent: uuid.UUID | None = None) -> turn_rows.WrittenTurn:
+    """The turn as written: a path's row, as a lease reads it from memory or the database."""
     turn = NewTurn(episode_id=uuid.uuid4(), parent_id=parent, record=record)
-    return SimpleNamespace(**turn_rows.turn_row(turn, depth=0, created_at=datetime.now(UTC)))
+    return turn_rows.written_turn(turn_rows.turn_values(turn, 0, datetime.now(UTC)))
 
 
 def test_a_context_concatenates_segments_with_placeholders_for_non_policy_tokens() -> None:
