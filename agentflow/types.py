@@ -36,6 +36,7 @@ from typing import Any, Literal, cast, get_args
 
 import numpy as np
 
+from agentflow import ids
 from agentflow.errors import InvalidInput
 from agentflow.images import check_image, is_blob_id
 
@@ -292,7 +293,7 @@ class NewTurn:
     episode_id: uuid.UUID
     parent_id: uuid.UUID | None
     record: TurnRecord
-    id: uuid.UUID = field(default_factory=uuid.uuid4)
+    id: uuid.UUID = field(default_factory=ids.new_id)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

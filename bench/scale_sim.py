@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from agentflow import ids
 from agentflow.errors import EngineRequestError, EngineUnavailable, NotFound
 from agentflow.inference.base import (
     EngineInfo,
@@ -255,7 +255,7 @@ class SimEngine:
     # -- sessions -----------------------------------------------------------------------
 
     async def open_session(self, session_id: str | None = None) -> str:
-        sid = session_id or uuid.uuid4().hex
+        sid = session_id or ids.new_hex()
         if sid in self._sessions:
             raise EngineRequestError(f"session {sid!r} is already open")
         self._sessions[sid] = {}

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentflow import ids
 from agentflow.agents.episode import EnvWait, EpisodeState, Reply
 from agentflow.agents.runtime import PolicyRuntime
 from agentflow.errors import AgentFlowError, EngineLost, InvalidInput
@@ -87,7 +87,7 @@ class SampledActions:
             request = GenerateRequest(
                 input_ids=tuple(state.context[self.seen :]),
                 sampling=params,
-                rid=uuid.uuid4().hex,
+                rid=ids.new_hex(),
                 session=SessionRef(session_id=self.session_id, parent_rid=self.last_rid),
                 routing_key=self.session_id,
             )

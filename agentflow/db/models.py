@@ -29,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from agentflow import ids
 from agentflow.db.storable import StorableJSON, StorableText
 
 # Stable constraint names make migrations reproducible on both databases.
@@ -69,7 +70,7 @@ class Environment(Base):
     __tablename__ = "environments"
     __table_args__ = (UniqueConstraint("name", "version"),)
 
-    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=ids.new_id)
     name: Mapped[str] = mapped_column(String(200), index=True)
     version: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16), index=True)
@@ -85,7 +86,7 @@ class Environment(Base):
 class Run(Base):
     __tablename__ = "runs"
 
-    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=ids.new_id)
     name: Mapped[str] = mapped_column(String(200), index=True)
     config: Mapped[dict[str, Any]] = mapped_column(StorableJSON)
     status: Mapped[str] = mapped_column(String(16), index=True, default="pending")
@@ -132,7 +133,7 @@ class Episode(Base):
     # A run's episodes a page at a time, in creation order (the dashboard, the API).
     __table_args__ = (Index("ix_episodes_run_id_created_at", "run_id", "created_at"),)
 
-    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=ids.new_id)
     run_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("runs.id", ondelete="CASCADE"), nullable=True, index=True
     )
@@ -156,7 +157,7 @@ class Episode(Base):
 class Turn(Base):
     __tablename__ = "turns"
 
-    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=ids.new_id)
     episode_id: Mapped[uuid.UUID] = mapped_column(
         ForeignKey("episodes.id", ondelete="CASCADE"), index=True
     )
@@ -219,7 +220,7 @@ class Trajectory(Base):
     __tablename__ = "trajectories"
     __table_args__ = (Index("ix_trajectories_run_status", "run_id", "status"),)
 
-    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=ids.new_id)
     run_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("runs.id", ondelete="CASCADE"), nullable=True
     )

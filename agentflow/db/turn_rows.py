@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
+from agentflow import ids
 from agentflow.db.packing import (
     pack_floats,
     pack_ints,
@@ -217,7 +218,7 @@ def trajectory_rows(
         )
     return [
         {
-            "id": uuid.uuid4(),
+            "id": ids.new_id(),
             "run_id": run_id,
             "episode_id": episode_id,
             "leaf_turn_id": leaf,

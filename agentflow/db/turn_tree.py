@@ -36,6 +36,7 @@ from sqlalchemy import Table, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from agentflow import ids
 from agentflow.db import blobs, direct, episode_sql, id_lists, turn_images, turn_rows, turn_sql
 from agentflow.db.blobs import BlobInfo, BlobStore, DatabaseBlobStore
 from agentflow.db.group_commit import GroupCommit
@@ -220,7 +221,7 @@ class TurnTree:
             json.dumps(task or {}, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"task must be plain JSON: {exc}", field="task") from exc
-        episode_id = episode_id or uuid.uuid4()
+        episode_id = episode_id or ids.new_id()
         row = {
             "id": episode_id,
             "run_id": run_id,
@@ -276,7 +277,7 @@ class TurnTree:
         Concurrent calls are committed together (see `agentflow.db.group_commit`); each
         still gets its own turn's error."""
         turn = NewTurn(
-            episode_id=episode_id, parent_id=parent_id, record=record, id=turn_id or uuid.uuid4()
+            episode_id=episode_id, parent_id=parent_id, record=record, id=turn_id or ids.new_id()
         )
         await self._turn_writes.add(turn)
         return turn.id

@@ -7,13 +7,13 @@ rest of the system never asks which one it holds. Nothing here imports torch.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentflow import ids
 from agentflow.errors import EngineRequestError
 from agentflow.integers import Int32, Int64
 from agentflow.types import FLOAT32_OVERFLOW
@@ -51,7 +51,7 @@ class GenerateRequest(BaseModel):
 
     input_ids: tuple[int, ...] = Field(description="new tokens (after the session's context)")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    rid: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = Field(default_factory=ids.new_hex)
     session: SessionRef | None = None
     routing_key: str | None = Field(default=None, description="sticky routing behind a router")
     image_data: tuple[str, ...] = Field(

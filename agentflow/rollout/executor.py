@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from agentflow import ids
 from agentflow.agents.base import Agent, Budget, EpisodeHandle, EpisodeOutcome
 from agentflow.agents.keys import episode_key
 from agentflow.agents.runtime import PolicyRuntime
@@ -146,7 +147,7 @@ class LocalAdmission:
         self.granted += episodes
         env = self._keys[self._mix.pick()]
         task: dict[str, object] = {"seed": self._rng.randrange(2**31)}
-        return GroupTicket(uuid.uuid4().hex, env, task, episodes)
+        return GroupTicket(ids.new_hex(), env, task, episodes)
 
     async def group_settled(self, ticket: GroupTicket, trajectories: int) -> None:
         if trajectories == 0 and self.gate is not None:

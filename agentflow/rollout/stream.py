@@ -43,6 +43,7 @@ import orjson
 from sqlalchemy import Table, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from agentflow import ids
 from agentflow.db.models import Trajectory as TrajectoryRow
 from agentflow.db.turn_tree import TurnTree
 from agentflow.errors import AgentFlowError, Conflict, InvalidInput, NotFound
@@ -145,7 +146,7 @@ class DbTrajectoryStream:
         if max_n >= self.group_size:  # only whole groups fit: never wait for a part of one
             min_n = min(min_n, max_n - max_n % self.group_size)
         resendable = lease_id is not None  # only a caller's own id can be held already
-        lease_id = lease_id or uuid.uuid4().hex
+        lease_id = lease_id or ids.new_hex()
         deadline = time.monotonic() + timeout
         got: list[Trajectory] = []
         while True:
@@ -424,7 +425,7 @@ class HttpTrajectoryStream:
             "max_n": max_n,
             "min_n": min_n,
             "timeout_s": min(timeout, 60),
-            "lease_id": lease_id or uuid.uuid4().hex,
+            "lease_id": lease_id or ids.new_hex(),
         }
         served = await self._post("lease", body, timeout)
         return [trajectory_from_json(t) for t in served["trajectories"]]

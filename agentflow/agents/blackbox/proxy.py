@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agentflow import ids
 from agentflow.agents.blackbox.live import ChatState, LiveEpisodes
 from agentflow.agents.blackbox.matching import (
     STOP_STRING,
@@ -155,7 +156,7 @@ class ChatProxy:
                 budget_room,
                 images,
                 on_tokens,
-                turn_id or uuid.uuid4(),
+                turn_id or ids.new_id(),
             )
 
     async def _generate(

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agentflow import ids
 from agentflow.agents.blackbox.live import BudgetExhausted, LiveEpisodes
 from agentflow.agents.blackbox.openai_schema import (
     ChatCompletionRequest,
@@ -146,7 +147,7 @@ async def _stream(
     """Stream the answer as it is generated (`sse`). The response starts once the first
     tokens are out, so a request refused before generating still gets its own status."""
     tokens: asyncio.Queue[tuple[list[int], list[float]]] = asyncio.Queue()
-    turn_id = uuid.uuid4()
+    turn_id = ids.new_id()
     task = asyncio.create_task(
         proxy.complete(
             episode_id,
