@@ -40,6 +40,9 @@ class Outcome:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+_UNSEEDED = random.Random(0)  # a TurnEnv's generator before its first reset
+
+
 class TurnEnv(ABC):
     """Base class of the built-in envs: subclasses implement ``_start`` and ``_turn``."""
 
@@ -52,7 +55,9 @@ class TurnEnv(ABC):
         self.max_turns = max_turns
         self.turns = 0
         self.seed: int | None = None
-        self.rng = random.Random()
+        # Replaced by `reset`'s seeded generator before any draw: one seeded from the
+        # system's randomness here would cost more than the episode's other set-up.
+        self.rng = _UNSEEDED
         self._started = False
         self._done = False
         self._closed = False
