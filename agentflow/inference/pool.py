@@ -89,6 +89,11 @@ class EnginePool:
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self._slots = [_Slot(i, e) for i, e in enumerate(engines)]
+        # Per session opened, without a Python step per slot: the live slots (None once an
+        # engine dies or a replacement takes over, until looked up again), and each
+        # slot's sessions held and being opened, by slot index.
+        self._live: list[_Slot] | None = None
+        self._session_load = [0] * len(self._slots)
         self._replace = replace
         self.max_replacements = max_replacements
         self.wait_for_engine_s = wait_for_engine_s
@@ -117,6 +122,8 @@ class EnginePool:
 
     async def _live_slots(self) -> list[_Slot]:
         """The live slots; when none is, wait for a replacement to take over."""
+        if self._live and not self._closed:
+            return self._live
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_for_engine_s
         while True:
@@ -127,6 +134,7 @@ class EnginePool:
             # `engine is not None` rather than `.live`: no property call per slot per pick.
             live = [s for s in self._slots if s.engine is not None]
             if live:
+                self._live = live
                 return live
             if not any(s.replacing is not None for s in self._slots):
                 raise EngineUnavailable("every engine of the pool died and none is replaced")
@@ -155,14 +163,23 @@ class EnginePool:
         # A session that could not be opened does not exist yet: try the next engine.
         for _ in range(len(self._slots)):
             live = await self._live_slots()
-            slot = self._least(live, [len(s.sessions) + s.opening for s in live])
+            loads = self._session_load
+            if len(live) < len(loads):
+                loads = [loads[s.index] for s in live]
+            slot = self._least(live, loads)
             engine = self._engine(slot)
-            slot.opening += 1  # counted at once: a burst of opens spreads over the engines
+            # Counted at once: a burst of opens spreads over the engines.
+            slot.opening += 1
+            self._session_load[slot.index] += 1
             try:
                 sid = await engine.open_session(session_id)
             except EngineLost as exc:
+                self._session_load[slot.index] -= 1
                 error = self._lost(slot, engine, exc)
                 continue
+            except BaseException:
+                self._session_load[slot.index] -= 1
+                raise
             finally:
                 slot.opening -= 1
             slot.sessions.add(sid)
@@ -175,6 +192,7 @@ class EnginePool:
         if slot is None:
             return  # never opened here, or its engine died and took it
         slot.sessions.discard(session_id)
+        self._session_load[slot.index] -= 1
         if slot.engine is None:
             return
         engine = slot.engine
@@ -309,6 +327,7 @@ class EnginePool:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         engines = [s.engine for s in self._slots if s.engine is not None]
+        self._live = None
         for slot in self._slots:
             slot.engine = None
         for engine in engines:
@@ -329,6 +348,7 @@ class EnginePool:
         if slot.engine is not engine:
             return error  # already marked (another request saw it first)
         slot.engine = None
+        self._live = None
         self.counters.lost += 1
         for sid in slot.sessions:
             self._session_slot.pop(sid, None)
@@ -339,6 +359,7 @@ class EnginePool:
             len(slot.sessions),
             exc,
         )
+        self._session_load[slot.index] -= len(slot.sessions)
         slot.sessions = set()
         # What the dead engine still holds here (its client's connections, a server
         # process of its own) is released in the background.
@@ -374,6 +395,7 @@ class EnginePool:
                     await self._bring_up_to_date(engine)
                     if not self._closed:
                         slot.engine, slot.generation = engine, generation
+                        self._live = None
             except BaseException:
                 with contextlib.suppress(Exception):
                     await engine.close()

@@ -146,6 +146,10 @@ async def test_a_dead_engine_loses_its_sessions_and_is_replaced_up_to_date() -> 
     assert pool.engines()[index] is built[0]
     info = await pool.info()
     assert info.extra["live_engines"] == 2 and info.extra["engines_lost"] == 1
+    # The dead engine's session no longer counts: the empty replacement takes the next
+    # two (the other engine holds two).
+    for _ in range(2):
+        assert await pool.open_session() in built[0].engine._sessions
     await pool.close()
 
 
@@ -270,9 +274,10 @@ async def test_a_replacement_ready_during_an_update_joins_after_it() -> None:
 async def test_a_burst_of_sessions_spreads_over_unequal_engines() -> None:
     members = [member(), member()]
     pool = EnginePool(as_engines(members))
-    for _ in range(4):  # engine 0 holds four, engine 1 none
-        await members[0].engine.open_session(None)
-    pool._slots[0].sessions.update(members[0].engine._sessions)
+    for sid in [await pool.open_session() for _ in range(8)]:
+        if sid in members[1].engine._sessions:
+            await pool.close_session(sid)  # engine 0 holds four, engine 1 none
+    assert [len(m.engine._sessions) for m in members] == [4, 0]
     await asyncio.gather(*(pool.open_session() for _ in range(8)))
     assert [len(m.engine._sessions) for m in members] == [6, 6]
     await pool.close()
