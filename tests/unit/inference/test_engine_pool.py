@@ -146,10 +146,35 @@ async def test_a_dead_engine_loses_its_sessions_and_is_replaced_up_to_date() -> 
     assert pool.engines()[index] is built[0]
     info = await pool.info()
     assert info.extra["live_engines"] == 2 and info.extra["engines_lost"] == 1
-    # The dead engine's session no longer counts: the empty replacement takes the next
-    # two (the other engine holds two).
-    for _ in range(2):
-        assert await pool.open_session() in built[0].engine._sessions
+    await pool.close()
+
+
+async def test_a_replacement_starts_empty_for_the_least_loaded_pick() -> None:
+    """The sessions a dead engine took with it no longer count for its slot."""
+    members = [member(), member()]
+    ready = asyncio.Event()
+    built: list[Mortal] = []
+
+    async def replace(index: int, generation: int) -> Engine:
+        await ready.wait()
+        built.append(member())
+        return built[-1]  # type: ignore[return-value]
+
+    pool = EnginePool(as_engines(members), replace=replace)
+    sessions = [await pool.open_session() for _ in range(4)]
+    assert [len(m.engine._sessions) for m in members] == [2, 2]
+    members[0].kill()
+    doomed = next(s for s in sessions if s in members[0].engine._sessions)
+    with pytest.raises(EngineLost):
+        await pool.generate(request(doomed))
+    for sid in sessions:
+        if sid in members[1].engine._sessions:
+            await pool.close_session(sid)
+    assert await pool.open_session() in members[1].engine._sessions  # the only live one
+    ready.set()
+    await wait_for(lambda: pool.counters.replaced == 1)
+    # One session on engine 1, none on the replacement: the next goes to the replacement.
+    assert await pool.open_session() in built[0].engine._sessions
     await pool.close()
 
 
