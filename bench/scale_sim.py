@@ -139,6 +139,7 @@ class SimEngine:
         ends_with_stop = bool(stops) and n == planned
         slots, resumed = self._sync()
         loop = asyncio.get_running_loop()
+        queued_at = loop.time()
         self._waiting.add(req.rid)
         acquired = False
         try:
@@ -151,7 +152,8 @@ class SimEngine:
                 self._aborted.discard(req.rid)
                 return self._result(req, [], [], "abort", prompt, cached)
             prefill = model.prefill_s + model.prefill_s_per_token * (prompt - cached)
-            decode_start = loop.time() + prefill
+            started = loop.time()
+            decode_start = started + prefill
             future: asyncio.Future[float | None] = loop.create_future()
             handle = loop.call_later(prefill + n * model.per_token_s, _resolve, future, None)
             self._running[req.rid] = _Running(future, handle, decode_start)
@@ -179,7 +181,7 @@ class SimEngine:
         self.stats.modeled_s += prefill + len(ids) * model.per_token_s
         if session is not None and finish != "abort":
             session[req.rid] = prompt + len(ids)
-        return self._result(req, ids, logprobs, finish, prompt, cached, spans)
+        return self._result(req, ids, logprobs, finish, prompt, cached, spans, started - queued_at)
 
     def _reply(
         self, n: int, ends_with_stop: bool, stops: tuple[int, ...]
@@ -233,6 +235,7 @@ class SimEngine:
         prompt: int,
         cached: int,
         spans: list[VersionSpan] | None = None,
+        queue_s: float = 0.0,
     ) -> GenerateResult:
         return GenerateResult(
             rid=req.rid,
@@ -242,6 +245,7 @@ class SimEngine:
             weight_versions=spans or [],
             prompt_tokens=prompt,
             cached_tokens=cached,
+            queue_s=queue_s,
         )
 
     async def abort(self, rid: str) -> None:

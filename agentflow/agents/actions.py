@@ -106,7 +106,7 @@ class SampledActions:
         self.seen = len(state.context) + len(result.output_ids)
         if self.metrics is not None:
             self.metrics.generate_seconds.observe(wall)
-        queue = min(wall, float(getattr(result, "queue_s", 0.0) or 0.0))
+        queue = min(wall, result.queue_s)
         return Reply(
             output_ids=result.output_ids,
             logprobs=result.logprobs,

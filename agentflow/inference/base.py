@@ -86,6 +86,12 @@ class GenerateResult(BaseModel):
     weight_versions: list[VersionSpan]
     prompt_tokens: int = Field(description="full context length the engine saw")
     cached_tokens: int = Field(default=0, description="context tokens served from KV cache")
+    queue_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="seconds the request waited for a decode slot before it first ran, "
+        "where the engine reports it (0.0 otherwise)",
+    )
     top_logprobs: list[list[tuple[int, float]]] | None = Field(
         default=None,
         description="per output token, the most likely (token, log-prob) pairs, when "

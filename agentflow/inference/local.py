@@ -424,6 +424,7 @@ class LocalEngine:
                     weight_versions=[VersionSpan(version=v, start=s, end=e) for v, s, e in r.spans],
                     prompt_tokens=r.prompt_len,
                     cached_tokens=r.cached_tokens or 0,
+                    queue_s=r.queue_s or 0.0,
                     top_logprobs=r.tops,
                 )
             )

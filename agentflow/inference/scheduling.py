@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ class LiveRequest:
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)  # [version, start, end]
     cached_tokens: int | None = None  # set at first admission
+    submitted_at: float = field(default_factory=time.perf_counter)
+    queue_s: float | None = None  # waited for a slot: set at first admission
     slot: int | None = None
     kv_len: int = 0  # context tokens whose KV sits in the slot
     done: bool = False
@@ -142,6 +145,8 @@ class BatchScheduler:
             if joined and (len(joined) + 1) * new_width > self.prefill_token_budget:
                 break
             self.waiting.popleft()
+            if r.queue_s is None:
+                r.queue_s = time.perf_counter() - r.submitted_at
             width = new_width
             r.slot = n + len(joined)
             joined.append(r)

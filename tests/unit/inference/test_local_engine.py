@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -423,3 +424,22 @@ async def test_from_pretrained_serves_a_saved_checkpoint(tmp_path):
         assert max(abs(a - b) for a, b in zip(ref, res.logprobs, strict=True)) <= TOL
     finally:
         await eng.close()
+
+
+async def test_a_request_that_waits_for_a_slot_reports_how_long() -> None:
+    """`queue_s`: the wait for a decode slot before the request first ran."""
+    one_slot = LocalEngine.from_init(TINY, seed=0, max_batch_size=1)
+    try:
+        first = asyncio.create_task(one_slot.generate(req([9, 9], n=150)))
+        ended: list[float] = []
+        first.add_done_callback(lambda _: ended.append(time.perf_counter()))
+        await until_steps(one_slot, 2)
+        submitted = time.perf_counter()
+        second = await one_slot.generate(req([1], n=2))  # waits for the first to end
+        ran_first = await first
+        assert len(ran_first.output_ids) == 150 and ran_first.queue_s < second.queue_s
+        # It waited out the first's remaining steps (the callback that timed them runs a
+        # little after the first ends, so at least half of it).
+        assert second.queue_s >= 0.5 * (ended[0] - submitted) > 0
+    finally:
+        await one_slot.close()
