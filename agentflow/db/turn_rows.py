@@ -7,7 +7,9 @@ arrays at once with numpy.
 
 from __future__ import annotations
 
+import array
 import operator
+import sys
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -162,21 +164,37 @@ def context_from_path(rows: Sequence[Any]) -> Context:
     )
 
 
+def _versions(packed: bytes) -> Sequence[int]:
+    """One turn's packed versions as ints: a view of the bytes where this machine's int32
+    is the stored one (little-endian), which is cheaper than numpy for a turn's few
+    dozen tokens."""
+    if _NATIVE_INT32:
+        return memoryview(packed).cast("i")
+    return np.frombuffer(packed, dtype=_INT32).tolist()
+
+
+_NATIVE_INT32 = sys.byteorder == "little" and array.array("i").itemsize == 4
+
+
 def min_version(packed: bytes | None) -> int | None:
     """The smallest weight version in one turn's packed versions (None for no policy tokens)."""
     if not packed:
         return None
-    return int(np.frombuffer(packed, dtype=_INT32).min())
+    return min(_versions(packed))
 
 
 def version_range(packed: Iterable[bytes | None]) -> tuple[int, int] | None:
     """The oldest and newest weight version over turns' packed versions (None: no
     policy tokens at all)."""
-    arrays = [np.frombuffer(p, dtype=_INT32) for p in packed if p]
-    if not arrays:
+    lows, highs = [], []
+    for p in packed:
+        if p:
+            versions = _versions(p)
+            lows.append(min(versions))
+            highs.append(max(versions))
+    if not lows:
         return None
-    joined = np.concatenate(arrays)
-    return int(joined.min()), int(joined.max())
+    return min(lows), max(highs)
 
 
 def trajectory_rows(

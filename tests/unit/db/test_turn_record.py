@@ -286,3 +286,17 @@ def test_a_record_checked_upstream_still_refuses_what_is_not_a_token_s(
 ) -> None:
     with pytest.raises(InvalidInput, match=re.escape(message)):
         TurnRecord.checked_upstream(kind, (1, 2), timings={}, **extra)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["memoryview", "numpy"])
+def test_version_bounds_read_the_packed_versions_either_way(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn's packed versions are read as a view where this machine's int32 matches the
+    stored little-endian one, else through numpy: the same bounds."""
+    monkeypatch.setattr(turn_rows, "_NATIVE_INT32", native)
+    assert turn_rows.min_version(pack_ints([5, 3, 2**31 - 1, 9])) == 3
+    assert turn_rows.min_version(None) is None and turn_rows.min_version(b"") is None
+    packed = [None, pack_ints([4, 2]), b"", pack_ints([7, 0, 6])]
+    assert turn_rows.version_range(packed) == (0, 7)
+    assert turn_rows.version_range([None, b""]) is None
