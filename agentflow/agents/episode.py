@@ -40,6 +40,7 @@ from agentflow.tokenization.chat import ChatTemplate
 from agentflow.tokenization.tool_calls import ParsedAssistant
 from agentflow.types import StoredTurn, TurnRecord
 from envs.base import Env, Observation, StepResult, TextAction, ToolCall, ToolCallsAction
+from envs.turn_env import TurnEnv
 
 MAX_TEXT_ACTION = 100_000  # characters: the env protocol's limit on a text action
 
@@ -280,11 +281,16 @@ class EpisodeLoop:
         timeout = self.step_timeout_s
         async with actions.waiting() as wait:
             try:
-                # The env gets its timeout, and is held to it: an env that hangs fails this
-                # episode, never the run.
-                limit = None if timeout is None else timeout + self.step_grace_s
-                async with asyncio.timeout(limit):
+                if timeout is not None and type(env).step is TurnEnv.step:
+                    # `TurnEnv.step` holds itself to the timeout (`StepTimeout`), in this
+                    # task: a second timer around it would only add a timer per step.
                     step = await env.step(action, timeout_s=timeout)
+                else:
+                    # The env gets its timeout, and is held to it: an env that hangs fails
+                    # this episode, never the run.
+                    limit = None if timeout is None else timeout + self.step_grace_s
+                    async with asyncio.timeout(limit):
+                        step = await env.step(action, timeout_s=timeout)
             except TimeoutError:
                 raise EnvTimeout(f"the env did not answer a step within {timeout} s") from None
             finally:

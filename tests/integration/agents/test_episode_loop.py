@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -13,10 +15,12 @@ from agentflow.agents.base import Budget
 from agentflow.agents.episode import EpisodeLoop, ReplayMismatch
 from agentflow.agents.recorders import MemoryRecorder, TurnTreeRecorder
 from agentflow.db.turn_tree import TurnTree
+from agentflow.errors import EnvTimeout
 from agentflow.tokenization.chat import ByteChatTemplate
 from agentflow.types import StoredTurn, TurnRecord
 from envs import registry
-from envs.base import Observation, TextAction
+from envs.base import Action, Message, Observation, StepResult, StepTimeout, TextAction
+from envs.turn_env import Outcome, TurnEnv
 
 pytestmark = pytest.mark.integration
 
@@ -171,3 +175,37 @@ async def test_the_credit_study_envs_replay_their_luck_for_a_re_roll(
     finally:
         await env.close()
     assert len(seen) == len(replies)
+
+
+class _SlowTurns(TurnEnv):
+    """A `TurnEnv` whose every step takes a second."""
+
+    async def _start(self, options: dict[str, object]) -> Observation:
+        return Observation(messages=[Message(role="user", content="go")])
+
+    async def _turn(self, action: Action) -> Outcome:
+        await asyncio.sleep(1.0)
+        raise AssertionError("unreachable: the step's timeout ends it first")
+
+
+class _SlowWrapped(_SlowTurns):
+    """The same env with a `step` of its own, which the loop holds to the timeout."""
+
+    async def step(self, action: Action, timeout_s: float | None = None) -> StepResult:
+        await asyncio.sleep(1.0)
+        raise AssertionError("unreachable: the loop's guard ends it first")
+
+
+@pytest.mark.parametrize(("env", "error"), [(_SlowTurns, StepTimeout), (_SlowWrapped, EnvTimeout)])
+async def test_a_step_past_its_timeout_fails_the_episode(
+    env: type[TurnEnv], error: type[Exception]
+) -> None:
+    """`TurnEnv.step` holds itself to the step timeout (the loop adds no timer of its own
+    around it); any other env's step is held to it by the loop, with its grace."""
+    loop = EpisodeLoop(ByteChatTemplate(), step_timeout_s=0.05, step_grace_s=0.05)
+    started = time.perf_counter()
+    with pytest.raises(error):
+        await loop.play(
+            env(max_turns=3), {}, ScriptedActions(loop.template, count_up), MemoryRecorder()
+        )
+    assert time.perf_counter() - started < 0.9
