@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentflow.db import packing
 from agentflow.db.packing import (
     pack_floats,
     pack_ints,
@@ -50,3 +51,18 @@ def test_float32_values_round_trip_bit_for_bit(values: list[float]) -> None:
 @given(st.lists(st.integers(0, 1), max_size=64))
 def test_masks_round_trip(values: list[int]) -> None:
     assert unpack_mask(pack_mask(values)) == values
+
+
+@given(int32s, float32s, st.lists(st.integers(0, 1), max_size=64))
+def test_the_array_and_numpy_paths_pack_the_same_bytes(
+    ints: list[int], floats: list[float], mask: list[int]
+) -> None:
+    """`array` where this machine's int32 and float32 are the stored little-endian ones,
+    numpy elsewhere: the same bytes either way."""
+    fast = (pack_ints(ints), pack_floats(floats), pack_mask(mask))
+    native = packing._NATIVE
+    packing._NATIVE = False
+    try:
+        assert (pack_ints(ints), pack_floats(floats), pack_mask(np.array(mask))) == fast
+    finally:
+        packing._NATIVE = native
