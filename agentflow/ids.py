@@ -46,7 +46,7 @@ def new_id() -> uuid.UUID:
 
 
 def new_hex() -> str:
-    """A new random id as 32 hex digits (`ids.new_hex()`'s form)."""
+    """A new random id as 32 hex digits (`uuid.uuid4().hex`'s form)."""
     return new_id().hex
 
 

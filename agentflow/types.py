@@ -63,8 +63,7 @@ _MAX_FINISH_REASON = 16  # the column width
 
 # Python floats at or past this round to infinity as float32, the stored width.
 FLOAT32_OVERFLOW = 3.4028235677973366e38
-_FLOAT32_OVERFLOW = FLOAT32_OVERFLOW
-_HALF_FLOAT32_OVERFLOW = _FLOAT32_OVERFLOW / 2
+_HALF_FLOAT32_OVERFLOW = FLOAT32_OVERFLOW / 2
 _FLOAT_ONLY = frozenset({float})
 # Where a uint32's most significant byte sits in `array("I").tobytes()` ("I" is 4 bytes on
 # every platform CPython supports).
@@ -119,7 +118,7 @@ def _floats(values: Sequence[float], name: str) -> tuple[float, ...]:
     # comparisons; a value that overflows float32 is as bad as a NaN.
     if not (
         math.hypot(*out) < _HALF_FLOAT32_OVERFLOW
-        or all(-_FLOAT32_OVERFLOW < v < _FLOAT32_OVERFLOW for v in out)
+        or all(-FLOAT32_OVERFLOW < v < FLOAT32_OVERFLOW for v in out)
     ):
         raise InvalidInput(f"{name} must be finite float32 values", field=name)
     return out

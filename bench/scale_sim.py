@@ -27,8 +27,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from agentflow import ids
 from agentflow.errors import EngineRequestError, EngineUnavailable, NotFound
+from agentflow.ids import new_hex
 from agentflow.inference.base import (
     EngineInfo,
     FinishReason,
@@ -259,7 +259,7 @@ class SimEngine:
     # -- sessions -----------------------------------------------------------------------
 
     async def open_session(self, session_id: str | None = None) -> str:
-        sid = session_id or ids.new_hex()
+        sid = session_id or new_hex()
         if sid in self._sessions:
             raise EngineRequestError(f"session {sid!r} is already open")
         self._sessions[sid] = {}

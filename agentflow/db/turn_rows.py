@@ -7,9 +7,7 @@ arrays at once with numpy.
 
 from __future__ import annotations
 
-import array
 import operator
-import sys
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -19,6 +17,7 @@ import numpy as np
 
 from agentflow import ids
 from agentflow.db.packing import (
+    int_view,
     pack_floats,
     pack_ints,
     pack_mask,
@@ -164,23 +163,11 @@ def context_from_path(rows: Sequence[Any]) -> Context:
     )
 
 
-def _versions(packed: bytes) -> Sequence[int]:
-    """One turn's packed versions as ints: a view of the bytes where this machine's int32
-    is the stored one (little-endian), which is cheaper than numpy for a turn's few
-    dozen tokens."""
-    if _NATIVE_INT32:
-        return memoryview(packed).cast("i")
-    return np.frombuffer(packed, dtype=_INT32).tolist()
-
-
-_NATIVE_INT32 = sys.byteorder == "little" and array.array("i").itemsize == 4
-
-
 def min_version(packed: bytes | None) -> int | None:
     """The smallest weight version in one turn's packed versions (None for no policy tokens)."""
     if not packed:
         return None
-    return min(_versions(packed))
+    return min(int_view(packed))
 
 
 def version_range(packed: Iterable[bytes | None]) -> tuple[int, int] | None:
@@ -189,7 +176,7 @@ def version_range(packed: Iterable[bytes | None]) -> tuple[int, int] | None:
     lows, highs = [], []
     for p in packed:
         if p:
-            versions = _versions(p)
+            versions = int_view(p)
             lows.append(min(versions))
             highs.append(max(versions))
     if not lows:

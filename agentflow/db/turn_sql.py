@@ -51,7 +51,6 @@ def chunks(ids: Sequence[uuid.UUID]) -> Iterable[Sequence[uuid.UUID]]:
 
 
 Placement = tuple[uuid.UUID, int]  # a written turn's (episode id, depth)
-WrittenTurn = turn_rows.WrittenTurn
 
 
 def _positions(batch: Sequence[NewTurn]) -> dict[uuid.UUID, int]:
@@ -73,7 +72,7 @@ def _positions(batch: Sequence[NewTurn]) -> dict[uuid.UUID, int]:
 def _outside(
     batch: Sequence[NewTurn],
     positions: Mapping[uuid.UUID, int],
-    known: Mapping[uuid.UUID, WrittenTurn],
+    known: Mapping[uuid.UUID, turn_rows.WrittenTurn],
     stored: dict[uuid.UUID, Placement],
 ) -> list[uuid.UUID]:
     """Parents outside the batch: those in `known` go to `stored`, the others (to read)
@@ -129,9 +128,9 @@ def _depths(
 async def insert_turns(
     session: AsyncSession | AsyncConnection,
     batch: Sequence[NewTurn],
-    placed: Mapping[uuid.UUID, WrittenTurn] | None = None,
+    placed: Mapping[uuid.UUID, turn_rows.WrittenTurn] | None = None,
     blob_store: BlobStore | None = None,
-) -> list[WrittenTurn]:
+) -> list[turn_rows.WrittenTurn]:
     """Insert `batch` (parents before children) with one executemany, after checking the
     tree: parents exist and share the child's episode; depth = parent's + 1. `placed`
     holds turns already known to be stored (turns never move), which saves reading them
@@ -171,8 +170,10 @@ _PLACEMENTS_SQL = "SELECT id, episode_id, depth FROM turns WHERE id = ANY($1::uu
 
 
 async def insert_turns_direct(
-    driver: Any, batch: Sequence[NewTurn], placed: Mapping[uuid.UUID, WrittenTurn] | None = None
-) -> list[WrittenTurn]:
+    driver: Any,
+    batch: Sequence[NewTurn],
+    placed: Mapping[uuid.UUID, turn_rows.WrittenTurn] | None = None,
+) -> list[turn_rows.WrittenTurn]:
     """`insert_turns` for a batch without images, straight on the asyncpg connection
     `driver` outside a transaction (`agentflow.db.direct`): the batch is one statement,
     atomic by itself, so it needs no BEGIN and COMMIT. What the column types do on the

@@ -698,7 +698,7 @@ class TurnTree:
             missing = [t for t in unique if t not in found]
             if missing:
                 raise NotFound(f"trajectory {missing[0]} not found")
-            paths: dict[uuid.UUID, Sequence[Any]] = {}
+            kept: dict[uuid.UUID, list[turn_rows.WrittenTurn]] = {}
             unkept: dict[uuid.UUID, uuid.UUID] = {}
             for tid in unique:
                 leaf = found[tid].leaf_turn_id
@@ -706,7 +706,8 @@ class TurnTree:
                 if path is None:
                     unkept[leaf] = found[tid].episode_id
                 else:
-                    paths[leaf] = path
+                    kept[leaf] = path
+            paths: dict[uuid.UUID, Sequence[Any]] = dict(kept)
             if unkept:
                 paths.update(
                     await turn_sql.episode_paths(session, unkept, turn_sql.TRAJECTORY_COLUMNS)
@@ -733,7 +734,7 @@ class TurnTree:
                 turn_rewards=tuple(float(t.reward or 0.0) for t in paths[row.leaf_turn_id]),
                 **{f.name: getattr(context, f.name) for f in fields(Context)},
             )
-        self._forget(turn.id for leaf in paths if leaf not in unkept for turn in paths[leaf])
+        self._forget(turn.id for path in kept.values() for turn in path)
         return [built[t] for t in trajectory_ids]
 
     async def trajectory(self, trajectory_id: uuid.UUID) -> TrajectoryView:

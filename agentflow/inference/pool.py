@@ -171,17 +171,17 @@ class EnginePool:
             # Counted at once: a burst of opens spreads over the engines.
             slot.opening += 1
             self._session_load[slot.index] += 1
+            opened = False
             try:
                 sid = await engine.open_session(session_id)
+                opened = True
             except EngineLost as exc:
-                self._session_load[slot.index] -= 1
                 error = self._lost(slot, engine, exc)
                 continue
-            except BaseException:
-                self._session_load[slot.index] -= 1
-                raise
             finally:
                 slot.opening -= 1
+                if not opened:
+                    self._session_load[slot.index] -= 1
             slot.sessions.add(sid)
             self._session_slot[sid] = slot
             return sid

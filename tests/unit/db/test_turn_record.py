@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agentflow.db import turn_rows
+from agentflow.db import packing, turn_rows
 from agentflow.db.packing import pack_floats, pack_ints, pack_mask
 from agentflow.errors import InvalidInput
 from agentflow.types import NO_VERSION, NewTurn, TurnRecord
@@ -294,7 +294,7 @@ def test_version_bounds_read_the_packed_versions_either_way(
 ) -> None:
     """A turn's packed versions are read as a view where this machine's int32 matches the
     stored little-endian one, else through numpy: the same bounds."""
-    monkeypatch.setattr(turn_rows, "_NATIVE_INT32", native)
+    monkeypatch.setattr(packing, "_NATIVE", native)
     assert turn_rows.min_version(pack_ints([5, 3, 2**31 - 1, 9])) == 3
     assert turn_rows.min_version(None) is None and turn_rows.min_version(b"") is None
     packed = [None, pack_ints([4, 2]), b"", pack_ints([7, 0, 6])]
